@@ -1,0 +1,71 @@
+"""The typed errors kvtier raises.
+
+Every error a caller can provoke is a :class:`KvTierError`; each message says
+what went wrong and what to do about it. Subclasses also inherit the builtin
+exception a Python caller would expect (``ValueError`` for bad arguments,
+``LookupError`` for unknown ids) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class KvTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvTierError, ValueError):
+    """A configuration value is invalid (for example a block size of 0)."""
+
+
+class BadRequestError(KvTierError, ValueError):
+    """A request's input is invalid: empty or negative token ids, bad keys."""
+
+
+class UnknownRequestError(KvTierError, LookupError):
+    """An operation named a request id the manager does not hold."""
+
+    def __init__(self, request_id: object) -> None:
+        super().__init__(
+            f"unknown request id {request_id!r}: allocate() it first "
+            "(or it was already freed)"
+        )
+        self.request_id = request_id
+
+
+class DuplicateRequestError(KvTierError):
+    """``allocate`` or ``fork`` named a request id that is already live."""
+
+    def __init__(self, request_id: object) -> None:
+        super().__init__(
+            f"request id {request_id!r} is already allocated: free() it first or use a new id"
+        )
+        self.request_id = request_id
+
+
+class OutOfBlocksError(KvTierError):
+    """Not enough free or evictable blocks; nothing was changed."""
+
+    def __init__(self, needed: int, available: int, total: int) -> None:
+        super().__init__(
+            f"out of KV blocks: need {needed}, only {available} of {total} are free or "
+            "evictable; free or preempt a request, or configure more blocks"
+        )
+        self.needed = needed
+        self.available = available
+        self.total = total
+
+
+class AdmissionRejectedError(KvTierError):
+    """Admission control declined a new request (memory pressure)."""
+
+
+class TierUnavailableError(KvTierError):
+    """A storage tier (disk, Redis, ...) cannot be reached."""
+
+
+class CorruptBlockError(KvTierError):
+    """A stored block failed its checksum or header check; it is never served."""
+
+
+class InternalInvariantError(KvTierError, AssertionError):
+    """kvtier's own bookkeeping is inconsistent: a bug; please report it."""

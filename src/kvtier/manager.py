@@ -1,0 +1,458 @@
+"""KVCacheManager: the request-level facade an engine calls.
+
+``allocate`` finds the longest cached prefix of a new request, takes
+references on those blocks, allocates the rest and publishes the prompt's
+full blocks to the prefix index; ``extend`` appends tokens (copy-on-write for
+a shared partial block); ``free`` releases; ``fork`` shares a request's blocks
+with a new one. Blocks are published as soon as they are allocated, as in a
+step-synchronous engine: the caller writes the KV of every token it was given
+slots for before another request's forward pass reads them.
+
+Every operation checks capacity and input before it mutates anything, so a
+failure (out of blocks, bad input) leaves the manager exactly as it was.
+The manager is not thread-safe: one scheduler thread drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.block_table import BlockTable, blocks_needed
+from kvtier.errors import (
+    BadRequestError,
+    ConfigError,
+    DuplicateRequestError,
+    InternalInvariantError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from kvtier.index import PrefixIndex
+from kvtier.keys import BlockHasher, ExtraKey, Namespace
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.registry import make_policy
+from kvtier.pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+RequestId = Hashable
+_MAX_TOKEN_ID = 2**32
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What ``allocate`` returns: reuse found and where the request's tokens go."""
+
+    request_id: RequestId
+    #: Leading prompt tokens whose KV is already cached: compute from here on.
+    num_cached_tokens: int
+    block_table: BlockTable
+    #: Physical blocks newly allocated for this request (the rest were hits).
+    new_blocks: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """What ``extend`` returns."""
+
+    block_table: BlockTable
+    new_blocks: list[int]
+    #: ``(src, dst)`` block pairs whose KV the engine must copy before writing
+    #: (copy-on-write of a partial block shared with a fork).
+    copies: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class PressureEvent:
+    """Passed to the pressure callback."""
+
+    reason: Literal["out_of_blocks", "high_watermark"]
+    usage: float
+    free_blocks: int
+    total_blocks: int
+    needed_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the manager's counters."""
+
+    hit_tokens: int
+    queried_tokens: int
+    hit_ratio: float
+    evictions: int
+    cascade_evictions: int
+    usage: float
+    used_blocks: int
+    free_blocks: int
+    empty_blocks: int
+    cached_blocks: int
+    total_blocks: int
+    num_requests: int
+    allocations: int
+    allocation_failures: int
+    declined_blocks: int
+    duplicate_blocks: int
+    cow_copies: int
+    callback_errors: int
+    policy: str
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class _Request:
+    __slots__ = ("chain_open", "extra", "keys", "shadow", "table", "tokens")
+
+    def __init__(self, tokens: list[int], table: BlockTable, extra: tuple[ExtraKey, ...]) -> None:
+        self.tokens = tokens
+        self.table = table
+        self.extra = extra
+        #: Keys of the leading full blocks published (or held as shadows).
+        self.keys: list[int] = []
+        #: False once admission declined a block: later blocks stay private.
+        self.chain_open = True
+        #: position -> cached block held in place of this request's duplicate.
+        self.shadow: dict[int, int] = {}
+
+    def held_blocks(self) -> list[int]:
+        """Every block this request holds a reference on, tail first."""
+        blocks = self.table.blocks
+        if not self.shadow:
+            return blocks[::-1]
+        out: list[int] = []
+        for i in range(len(blocks) - 1, -1, -1):
+            out.append(blocks[i])
+            if i in self.shadow:
+                out.append(self.shadow[i])
+        return out
+
+
+def _check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
+    if isinstance(token_ids, str | bytes):
+        raise BadRequestError(
+            f"{what} must be a sequence of integer token ids, not {type(token_ids).__name__}"
+        )
+    tokens = list(token_ids)
+    if not tokens:
+        raise BadRequestError(f"{what} is empty: give at least one token id")
+    try:
+        lowest = min(tokens)
+    except TypeError as exc:
+        raise BadRequestError(f"{what} must hold integer token ids: {exc}") from exc
+    if lowest < 0:
+        raise BadRequestError(f"{what} holds a negative token id ({lowest})")
+    highest = max(tokens)
+    if highest >= _MAX_TOKEN_ID:
+        raise BadRequestError(f"{what} holds token id {highest}, above the limit 2**32 - 1")
+    return tokens
+
+
+class KVCacheManager:
+    """Prefix-caching KV block manager over one device pool.
+
+    ``policy`` is a registered policy name (``"lru"``), an import path, or an
+    :class:`EvictionPolicy` instance. ``namespace`` isolates keys per model,
+    layout and tenant. ``high_watermark`` is the pool usage at which the
+    pressure callback hears about it (before blocks run out).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        namespace: Namespace | None = None,
+        hash_algorithm: str = "xxh3_128",
+        hash_secret: bytes | None = None,
+        high_watermark: float = 0.95,
+    ) -> None:
+        if not 0.0 < high_watermark <= 1.0:
+            raise ConfigError(f"high_watermark must be in (0, 1], got {high_watermark}")
+        policy_obj = make_policy(policy) if isinstance(policy, str) else policy
+        self.index = PrefixIndex()
+        self.pool = BlockPool(num_blocks, block_size, policy_obj, self.index)
+        self.block_size = block_size
+        self.hasher = BlockHasher(
+            namespace or Namespace("default"), block_size, hash_algorithm, hash_secret
+        )
+        self.high_watermark = high_watermark
+        self._requests: dict[RequestId, _Request] = {}
+        self._pressure_cb: Callable[[PressureEvent], None] | None = None
+        self._above_watermark = False
+        self._hit_tokens = 0
+        self._queried_tokens = 0
+        self._allocations = 0
+        self._failures = 0
+        self._duplicates = 0
+        self._cow_copies = 0
+        self._callback_errors = 0
+
+    # -- introspection --------------------------------------------------------
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def request_ids(self) -> Iterator[RequestId]:
+        return iter(list(self._requests))
+
+    def _get(self, request_id: RequestId) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(request_id) from None
+
+    def block_table(self, request_id: RequestId) -> BlockTable:
+        """A copy of the request's current block table."""
+        return self._get(request_id).table.copy()
+
+    def num_tokens(self, request_id: RequestId) -> int:
+        return self._get(request_id).table.num_tokens
+
+    def held_blocks(self, request_id: RequestId) -> list[int]:
+        """Every block the request holds a reference on (table and shadow holds)."""
+        return self._get(request_id).held_blocks()
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` tokens' worth of new blocks can be had now."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise BadRequestError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        return blocks_needed(num_tokens, self.block_size) <= self.pool.num_free
+
+    # -- pressure ---------------------------------------------------------------
+    def set_pressure_callback(self, callback: Callable[[PressureEvent], None] | None) -> None:
+        """Called when usage crosses ``high_watermark`` and before an out-of-blocks error.
+
+        On ``out_of_blocks`` the callback may free or preempt requests; the
+        manager checks capacity once more before giving up. Exceptions raised
+        by the callback are logged and counted, never propagated.
+        """
+        self._pressure_cb = callback
+
+    def _notify(self, reason: Literal["out_of_blocks", "high_watermark"], needed: int) -> None:
+        cb = self._pressure_cb
+        if cb is None:
+            return
+        pool = self.pool
+        event = PressureEvent(reason, pool.usage, pool.num_free, pool.num_blocks, needed)
+        try:
+            cb(event)
+        except Exception:
+            self._callback_errors += 1
+            log.exception("pressure callback raised on %s", reason)
+
+    def _ensure_capacity(self, needed: int, reserved: int) -> None:
+        """Raise OutOfBlocksError (nothing changed) unless ``needed`` blocks can be had.
+
+        ``reserved`` counts evictable blocks the caller is about to take as hits.
+        """
+        pool = self.pool
+        if needed <= pool.num_free - reserved:
+            return
+        self._notify("out_of_blocks", needed)
+        available = pool.num_free - reserved
+        if needed > available:
+            self._failures += 1
+            raise OutOfBlocksError(needed, max(available, 0), pool.num_blocks)
+
+    def _after_growth(self) -> None:
+        if self._pressure_cb is None:
+            return
+        above = self.pool.usage >= self.high_watermark
+        if above and not self._above_watermark:
+            self._above_watermark = True
+            self._notify("high_watermark", 0)
+        elif not above:
+            self._above_watermark = False
+
+    # -- the request lifecycle ----------------------------------------------------
+    def allocate(
+        self,
+        request_id: RequestId,
+        token_ids: Sequence[int],
+        *,
+        extra_keys: Sequence[ExtraKey] = (),
+        block_keys: Sequence[int] | None = None,
+    ) -> Allocation:
+        """Start a request: reuse its longest cached prefix and allocate the rest.
+
+        ``extra_keys`` (a LoRA id, a per-request cache salt) are mixed into every
+        block key. ``block_keys`` may carry keys the caller already computed with
+        ``self.hasher`` for the full blocks of ``token_ids``, to hash only once.
+        The last prompt token is never reported cached: the engine needs at
+        least one token to compute logits from.
+        """
+        try:
+            live = request_id in self._requests
+        except TypeError:
+            raise BadRequestError(f"request id {request_id!r} is not hashable") from None
+        if live:
+            raise DuplicateRequestError(request_id)
+        tokens = _check_tokens(token_ids, "token_ids")
+        bs = self.block_size
+        n = len(tokens)
+        n_full = n // bs
+        extra = tuple(extra_keys)
+        if block_keys is None:
+            keys = self.hasher.chain(tokens, extra=extra)
+        else:
+            keys = list(block_keys)
+            if len(keys) != n_full:
+                raise BadRequestError(
+                    f"block_keys has {len(keys)} keys but token_ids has {n_full} full blocks"
+                )
+        pool = self.pool
+        hits = pool.lookup(keys[: (n - 1) // bs])
+        n_hit = len(hits)
+        needed = -(-n // bs) - n_hit
+        self._ensure_capacity(needed, pool.count_evictable(hits) if hits else 0)
+
+        pool.acquire(hits)
+        new_blocks = pool.allocate(needed)
+        table = BlockTable(bs, hits + new_blocks, n)
+        req = _Request(tokens, table, extra)
+        req.keys = keys[:n_hit]
+        self._requests[request_id] = req
+        if n_full > n_hit:
+            self._publish(req, keys, n_full)
+        self._allocations += 1
+        self._queried_tokens += n
+        self._hit_tokens += n_hit * bs
+        self._after_growth()
+        return Allocation(request_id, n_hit * bs, table.copy(), new_blocks)
+
+    def _publish(self, req: _Request, keys: Sequence[int], upto: int) -> None:
+        """Publish the request's full blocks ``len(req.keys) .. upto-1`` under ``keys``."""
+        pool = self.pool
+        blocks = req.table.blocks
+        own = req.keys
+        for i in range(len(own), upto):
+            if not req.chain_open:
+                return
+            key = keys[i]
+            block = blocks[i]
+            cached = pool.commit(block, key, own[-1] if own else None)
+            if cached < 0:
+                req.chain_open = False
+                return
+            if cached != block:
+                # Same content is cached elsewhere: hold that copy so the chain
+                # this request publishes under it can never be stranded.
+                pool.acquire((cached,))
+                req.shadow[i] = cached
+                self._duplicates += 1
+            own.append(key)
+
+    def extend(self, request_id: RequestId, new_token_ids: Sequence[int]) -> Extension:
+        """Append tokens (prompt continuation or generated tokens) to a request."""
+        req = self._get(request_id)
+        new_tokens = _check_tokens(new_token_ids, "new_token_ids")
+        bs = self.block_size
+        pool = self.pool
+        table = req.table
+        old_n = table.num_tokens
+        new_n = old_n + len(new_tokens)
+        grow = -(-new_n // bs) - len(table.blocks)
+        cow = old_n % bs != 0 and pool.ref[table.blocks[-1]] > 1
+        self._ensure_capacity(grow + cow, 0)
+
+        copies: list[tuple[int, int]] = []
+        if cow:
+            src = table.blocks[-1]
+            (dst,) = pool.allocate(1)
+            pool.release((src,))
+            table.blocks[-1] = dst
+            copies.append((src, dst))
+            self._cow_copies += 1
+        new_blocks = pool.allocate(grow)
+        table.blocks.extend(new_blocks)
+        table.num_tokens = new_n
+        req.tokens.extend(new_tokens)
+        n_full = new_n // bs
+        if req.chain_open and n_full > len(req.keys):
+            self._publish(req, self._extend_keys(req, n_full), n_full)
+        self._after_growth()
+        return Extension(table.copy(), new_blocks, copies)
+
+    def _extend_keys(self, req: _Request, n_full: int) -> list[int]:
+        """The request's published keys plus keys for its newly full blocks."""
+        start = len(req.keys)
+        parent = req.keys[-1] if req.keys else None
+        bs = self.block_size
+        more = self.hasher.chain(req.tokens[start * bs : n_full * bs], parent, extra=req.extra)
+        return req.keys + more
+
+    def free(self, request_id: RequestId) -> None:
+        """End a request; its published blocks stay cached until evicted."""
+        req = self._get(request_id)
+        del self._requests[request_id]
+        self.pool.release(req.held_blocks())
+        self._after_growth()
+
+    def fork(self, src_id: RequestId, dst_id: RequestId) -> BlockTable:
+        """Start ``dst_id`` as a copy of ``src_id`` sharing every block (copy-on-write)."""
+        src = self._get(src_id)
+        try:
+            live = dst_id in self._requests
+        except TypeError:
+            raise BadRequestError(f"request id {dst_id!r} is not hashable") from None
+        if live:
+            raise DuplicateRequestError(dst_id)
+        dst = _Request(list(src.tokens), src.table.copy(), src.extra)
+        dst.keys = list(src.keys)
+        dst.chain_open = src.chain_open
+        dst.shadow = dict(src.shadow)
+        self.pool.acquire(dst.held_blocks())
+        self._requests[dst_id] = dst
+        return dst.table.copy()
+
+    # -- maintenance -------------------------------------------------------------
+    def gc(self, num_blocks: int | None = None) -> int:
+        """Evict up to ``num_blocks`` unreferenced cached blocks (all if None)."""
+        if num_blocks is not None and num_blocks < 0:
+            raise BadRequestError(f"num_blocks must be non-negative, got {num_blocks}")
+        freed = self.pool.evict(self.pool.num_blocks if num_blocks is None else num_blocks)
+        self._after_growth()
+        return freed
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (e.g. after a weight update)."""
+        return self.gc()
+
+    def stats(self) -> CacheStats:
+        pool = self.pool
+        q = self._queried_tokens
+        return CacheStats(
+            hit_tokens=self._hit_tokens,
+            queried_tokens=q,
+            hit_ratio=self._hit_tokens / q if q else 0.0,
+            evictions=pool.evictions,
+            cascade_evictions=pool.cascade_evictions,
+            usage=pool.usage,
+            used_blocks=pool.num_used,
+            free_blocks=pool.num_free,
+            empty_blocks=pool.num_empty,
+            cached_blocks=pool.num_cached,
+            total_blocks=pool.num_blocks,
+            num_requests=len(self._requests),
+            allocations=self._allocations,
+            allocation_failures=self._failures,
+            declined_blocks=pool.declined,
+            duplicate_blocks=self._duplicates,
+            cow_copies=self._cow_copies,
+            callback_errors=self._callback_errors,
+            policy=getattr(pool.policy, "name", type(pool.policy).__name__),
+        )
+
+    def check(self) -> None:
+        """Verify every bookkeeping invariant (for tests and debugging)."""
+        self.pool.check(r.held_blocks() for r in self._requests.values())
+        for rid, req in self._requests.items():
+            table = req.table
+            if len(table.blocks) != blocks_needed(table.num_tokens, self.block_size):
+                raise InternalInvariantError(f"request {rid!r}: table size does not fit its tokens")
+            if len(req.tokens) != table.num_tokens:
+                raise InternalInvariantError(f"request {rid!r}: token count mismatch")

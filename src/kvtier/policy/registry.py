@@ -1,0 +1,65 @@
+"""Choosing a policy by name in config and on the command line.
+
+Shipped policies register under a short name; a user's own class is loaded
+from an import path ``package.module:ClassName`` (or ``package.module.ClassName``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.policy.base import EvictionPolicy
+
+PolicyFactory = Callable[..., EvictionPolicy]
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Make ``factory`` available as ``make_policy(name)``."""
+    key = name.lower()
+    if key in _REGISTRY and _REGISTRY[key] is not factory:
+        raise ConfigError(f"a policy named {name!r} is already registered")
+    _REGISTRY[key] = factory
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _load_by_path(path: str) -> PolicyFactory:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"unknown policy {path!r}: use one of {available_policies()} "
+            "or an import path like 'mypkg.policies:MyPolicy'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import policy module {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(f"module {module_name!r} has no policy class {attr!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
+    """A new policy instance for a registered name or an import path."""
+    factory = _REGISTRY.get(name.lower()) or _load_by_path(name)
+    try:
+        policy = factory(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"policy {name!r} rejected its arguments {kwargs}: {exc}") from exc
+    missing = [m for m in ("admit", "insert", "access", "pin", "unpin", "remove", "evict")
+               if not callable(getattr(policy, m, None))]
+    if missing:
+        raise ConfigError(
+            f"policy {name!r} does not implement the EvictionPolicy protocol "
+            f"(missing {', '.join(missing)})"
+        )
+    return policy

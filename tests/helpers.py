@@ -1,0 +1,84 @@
+"""Shared test helpers: snapshots of manager state for rollback checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier import KVCacheManager
+
+
+def snapshot(m: KVCacheManager) -> dict[str, Any]:
+    """Everything observable about a manager's bookkeeping, as plain data."""
+    pool = m.pool
+    policy: Any = pool.policy
+    return {
+        "ref": list(pool.ref),
+        "keys": list(pool.block_key),
+        "free": list(pool._free),
+        "version": list(pool.version),
+        "index": {
+            e.key: (e.tiers, e.block_id, e.version, e.pins, frozenset(e.children or ()))
+            for e in m.index
+        },
+        "policy": (list(getattr(policy, "_order", [])), set(getattr(policy, "_pinned", set()))),
+        "requests": {
+            rid: (
+                list(r.table.blocks), r.table.num_tokens, list(r.tokens), list(r.keys),
+                dict(r.shadow), r.chain_open,
+            )
+            for rid, r in m._requests.items()
+        },
+        "stats": m.stats(),
+    }
+
+
+class InsertionOrderPolicy:
+    """Evicts in insertion order, so parents go before their children (forces cascades)."""
+
+    name = "test-insertion-order"
+
+    def __init__(self) -> None:
+        self.order: dict[int, bool] = {}  # key -> pinned, in insertion order
+        self._evictable = 0
+
+    def admit(self, key: int) -> bool:
+        return True
+
+    def insert(self, key: int, pinned: bool = False) -> None:
+        self.order[key] = pinned
+        self._evictable += not pinned
+
+    def access(self, key: int) -> None:
+        pass
+
+    def pin(self, key: int) -> None:
+        assert self.order[key] is False
+        self.order[key] = True
+        self._evictable -= 1
+
+    def unpin(self, key: int) -> None:
+        assert self.order[key] is True
+        self.order[key] = False
+        self._evictable += 1
+
+    def remove(self, key: int) -> None:
+        pinned = self.order.pop(key)
+        self._evictable -= not pinned
+
+    def evict(self) -> int | None:
+        for key, pinned in self.order.items():  # a scan is fine for a test policy
+            if not pinned:
+                del self.order[key]
+                self._evictable -= 1
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.order
+
+    @property
+    def num_evictable(self) -> int:
+        return self._evictable

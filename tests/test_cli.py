@@ -1,0 +1,36 @@
+"""The command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.cli import main
+
+
+def test_info_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "kvtier 0.1.0" in out and "lru" in out and "xxh3_128" in out
+
+
+def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["policies"] == ["lru"] or "lru" in info["policies"]
+    assert info["optional_packages"]["torch"] in (True, False)
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: kvtier" in capsys.readouterr().out
+
+
+def test_console_script_runs() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "info" in res.stdout
