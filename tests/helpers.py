@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier import KVCacheManager
+from kvtier import KVCacheManager, PolicyBase
 
 
 def snapshot(m: KVCacheManager) -> dict[str, Any]:
@@ -16,14 +16,13 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "keys": list(pool.block_key),
         "free": list(pool._free),
         "version": list(pool.version),
-        "index": {
-            e.key: (e.tiers, e.block_id, e.version, e.pins, frozenset(e.children or ()))
-            for e in m.index
-        },
+        "cached": dict(pool._cached),
+        "parent": list(pool.parent),
+        "children": [pool.children_of(b) for b in range(pool.num_blocks)],
         "policy": (list(getattr(policy, "_order", [])), set(getattr(policy, "_pinned", set()))),
         "requests": {
             rid: (
-                list(r.table.blocks), r.table.num_tokens, list(r.tokens), list(r.keys),
+                list(r.table.blocks), r.table.num_tokens, list(r.tail), list(r.keys),
                 dict(r.shadow), r.chain_open,
             )
             for rid, r in m._requests.items()
@@ -32,7 +31,7 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
     }
 
 
-class InsertionOrderPolicy:
+class InsertionOrderPolicy(PolicyBase):
     """Evicts in insertion order, so parents go before their children (forces cascades)."""
 
     name = "test-insertion-order"
@@ -40,9 +39,6 @@ class InsertionOrderPolicy:
     def __init__(self) -> None:
         self.order: dict[int, bool] = {}  # key -> pinned, in insertion order
         self._evictable = 0
-
-    def admit(self, key: int) -> bool:
-        return True
 
     def insert(self, key: int, pinned: bool = False) -> None:
         self.order[key] = pinned
@@ -62,8 +58,9 @@ class InsertionOrderPolicy:
         self._evictable += 1
 
     def remove(self, key: int) -> None:
-        pinned = self.order.pop(key)
-        self._evictable -= not pinned
+        pinned = self.order.pop(key, None)
+        if pinned is not None:
+            self._evictable -= not pinned
 
     def evict(self) -> int | None:
         for key, pinned in self.order.items():  # a scan is fine for a test policy

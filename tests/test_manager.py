@@ -254,3 +254,21 @@ def test_introspection() -> None:
     table = m.block_table("a")
     table.blocks.append(99)
     assert m.block_table("a").blocks != table.blocks, "callers get copies"
+
+
+def test_extend_with_precomputed_keys_matches_internal_hashing() -> None:
+    m = KVCacheManager(16, 4)
+    prompt, gen = tokens(6), tokens(7, 50)
+    m.allocate("a", prompt)
+    all_keys = m.hasher.chain(prompt + gen)
+    m.extend("a", gen, block_keys=all_keys[1:])
+    m.free("a")
+    b = m.allocate("b", [*prompt, *gen, 1])
+    assert b.num_cached_tokens == 12
+    with pytest.raises(BadRequestError, match="fill 1 blocks"):
+        m.extend("b", tokens(3), block_keys=[])
+    with pytest.raises(BadRequestError, match="empty"):
+        m.extend("b", [], block_keys=[])
+    with pytest.raises(BadRequestError, match="negative"):
+        m.extend("b", [-1], block_keys=[])
+    m.check()

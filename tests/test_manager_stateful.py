@@ -7,7 +7,7 @@ its block table. A prefix hit that served the wrong block, a held block that
 was evicted and reused, or a copy that was not reported all show up as wrong
 contents. After every step the full invariant check runs too: no block both
 free and referenced, ref counts equal to the number of holders, capacity,
-the policy agreeing with the pool, no orphaned child in the index.
+the policy agreeing with the pool, no orphaned child in a prefix chain.
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ class ManagerMachine(RuleBasedStateMachine):
         assert after == before, "a failed call must leave the state unchanged"
         assert a_stats.allocation_failures == b_stats.allocation_failures + 1
 
-    @rule(target=requests, toks=token_lists)
-    def allocate(self, toks: list[int]) -> int:
+    @rule(target=requests, toks=token_lists, precomputed=st.booleans())
+    def allocate(self, toks: list[int], precomputed: bool) -> int:
         m = self._manager()
         rid = self.next_id
         self.next_id += 1
         before = snapshot(m)
+        keys = m.hasher.chain(toks) if precomputed else None
         try:
-            alloc = m.allocate(rid, toks)
+            alloc = m.allocate(rid, toks, block_keys=keys)
         except OutOfBlocksError:
             self._rejected(before)
             return -1
@@ -79,15 +80,19 @@ class ManagerMachine(RuleBasedStateMachine):
         self._write(rid, alloc.num_cached_tokens)
         return rid
 
-    @rule(rid=requests, toks=token_lists)
-    def extend(self, rid: int, toks: list[int]) -> None:
+    @rule(rid=requests, toks=token_lists, precomputed=st.booleans())
+    def extend(self, rid: int, toks: list[int], precomputed: bool) -> None:
         if rid not in self.expected:
             return
         m = self._manager()
         before = snapshot(m)
         start = m.num_tokens(rid)
+        keys = None
+        if precomputed:
+            full = self.expected[rid] + toks
+            keys = m.hasher.chain(full)[start // m.block_size :]
         try:
-            ext = m.extend(rid, toks)
+            ext = m.extend(rid, toks, block_keys=keys)
         except OutOfBlocksError:
             self._rejected(before)
             return

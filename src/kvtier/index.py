@@ -12,7 +12,7 @@ useless for prefix reuse and is never left behind.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from enum import IntFlag
 
 from kvtier.errors import BadRequestError, InternalInvariantError
@@ -27,19 +27,34 @@ class Tier(IntFlag):
     REMOTE = 8
 
 
+# Plain ints for the hot paths: IntFlag arithmetic costs a Python call per use.
+DEVICE = 1
+HOST = 2
+DISK = 4
+REMOTE = 8
+
+
 class IndexEntry:
     """One key's record. Mutated only through :class:`PrefixIndex`."""
 
     __slots__ = ("block_id", "children", "depth", "key", "parent", "pins", "tiers", "version")
 
-    def __init__(self, key: int, parent: int | None, depth: int, version: int) -> None:
+    def __init__(
+        self,
+        key: int,
+        parent: int | None,
+        depth: int,
+        version: int,
+        tiers: int = 0,
+        block_id: int = -1,
+    ) -> None:
         self.key = key
         self.parent = parent
         self.depth = depth
         self.version = version
-        self.tiers = 0
+        self.tiers = tiers
         self.pins = 0
-        self.block_id = -1
+        self.block_id = block_id
         self.children: set[int] | None = None
 
     def __repr__(self) -> str:
@@ -75,7 +90,7 @@ class PrefixIndex:
         entry = self._entries.get(key)
         return entry is not None and entry.version == version
 
-    def longest_prefix(self, keys: Sequence[int], tier: int = Tier.DEVICE) -> int:
+    def longest_prefix(self, keys: Sequence[int], tier: int = DEVICE) -> int:
         """Number of leading ``keys`` held by any tier in the mask ``tier``; one pass."""
         entries = self._entries
         n = 0
@@ -88,65 +103,151 @@ class PrefixIndex:
 
     def add(self, key: int, parent: int | None, tier: int, block_id: int = -1) -> IndexEntry:
         """Record that ``tier`` holds ``key`` (child of ``parent``; ``None`` = root)."""
+        self.add_chain(((key, parent, block_id),), tier)
+        return self._entries[key]
+
+    def add_chain(self, items: Iterable[tuple[int, int | None, int]], tier: int) -> None:
+        """Record ``(key, parent, block_id)`` items on ``tier``, parents before children.
+
+        ``block_id`` is the device block (ignored for other tiers). A parent
+        must already be indexed (or come earlier in ``items``).
+        """
         entries = self._entries
-        entry = entries.get(key)
-        if entry is None:
-            if parent is None:
-                depth = 1
-            else:
-                parent_entry = entries.get(parent)
-                if parent_entry is None:
-                    raise BadRequestError(
-                        f"cannot index block {key:#x}: its parent {parent:#x} is not cached; "
-                        "blocks must be added in chain order"
+        on_device = tier & DEVICE
+        version = self._version
+        prev: IndexEntry | None = None
+        try:
+            for key, parent, block_id in items:
+                entry = entries.get(key)
+                if entry is None:
+                    if parent is None:
+                        depth = 1
+                    else:
+                        # In a chain the parent is usually the previous item.
+                        parent_entry = (
+                            prev if prev is not None and prev.key == parent
+                            else entries.get(parent)
+                        )
+                        if parent_entry is None:
+                            raise BadRequestError(
+                                f"cannot index block {key:#x}: its parent {parent:#x} is not "
+                                "cached; blocks must be added in chain order"
+                            )
+                        depth = parent_entry.depth + 1
+                        children = parent_entry.children
+                        if children is None:
+                            parent_entry.children = {key}
+                        else:
+                            children.add(key)
+                    version += 1
+                    entry = IndexEntry(
+                        key, parent, depth, version, tier, block_id if on_device else -1
                     )
-                depth = parent_entry.depth + 1
-                if parent_entry.children is None:
-                    parent_entry.children = {key}
+                    entries[key] = entry
                 else:
-                    parent_entry.children.add(key)
-            self._version += 1
-            entry = IndexEntry(key, parent, depth, self._version)
-            entries[key] = entry
-        elif entry.parent != parent:
-            raise InternalInvariantError(
-                f"block {key:#x} re-added under a different parent: hash collision or bad keys"
-            )
-        entry.tiers |= tier
-        if tier & Tier.DEVICE:
-            entry.block_id = block_id
-        return entry
+                    if entry.parent != parent:
+                        raise InternalInvariantError(
+                            f"block {key:#x} re-added under a different parent: "
+                            "hash collision or bad keys"
+                        )
+                    entry.tiers |= tier
+                    if on_device:
+                        entry.block_id = block_id
+                prev = entry
+        finally:
+            self._version = version
 
     def drop(self, key: int, tier: int) -> None:
-        """Record that ``tier`` no longer holds ``key``; forget the key once no tier does.
+        """Record that ``tier`` no longer holds ``key``; see :meth:`drop_many`."""
+        self.drop_many((key,), tier)
 
-        Forgetting a key that still has children would strand them, so that is
-        an error: evict the subtree first (see :meth:`resident_subtree`).
+    def drop_many(self, keys: Iterable[int], tier: int) -> None:
+        """Record that ``tier`` no longer holds ``keys``; forget a key once no tier does.
+
+        Dropping a key whose child is held on a tier that would then have no
+        parent above it would strand the child, so that is refused (that key is
+        left unchanged): evict the subtree first (see :meth:`resident_subtree`).
         """
-        entry = self._entries.get(key)
-        if entry is None:
-            raise InternalInvariantError(f"drop of unknown key {key:#x}")
-        remaining = entry.tiers & ~tier
-        if entry.children:
-            for child in entry.children:
-                fastest = self._entries[child].tiers & -self._entries[child].tiers
-                if not remaining & ((fastest << 1) - 1):
-                    raise InternalInvariantError(
-                        f"dropping key {key:#x} from tier {tier} would strand its child "
-                        f"{child:#x}: evict the subtree first"
-                    )
-        entry.tiers = remaining
-        if tier & Tier.DEVICE:
-            entry.block_id = -1
-        if remaining:
-            return
-        del self._entries[key]
-        if entry.parent is not None:
-            parent_entry = self._entries.get(entry.parent)
-            if parent_entry is not None and parent_entry.children is not None:
-                parent_entry.children.discard(key)
-                if not parent_entry.children:
-                    parent_entry.children = None
+        entries = self._entries
+        on_device = tier & DEVICE
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                raise InternalInvariantError(f"drop of unknown key {key:#x}")
+            remaining = entry.tiers & ~tier
+            if entry.children:
+                for child in entry.children:
+                    child_tiers = entries[child].tiers
+                    fastest = child_tiers & -child_tiers
+                    if not remaining & ((fastest << 1) - 1):
+                        raise InternalInvariantError(
+                            f"dropping key {key:#x} from tier {tier} would strand its child "
+                            f"{child:#x}: evict the subtree first"
+                        )
+            entry.tiers = remaining
+            if on_device:
+                entry.block_id = -1
+            if remaining:
+                continue
+            del entries[key]
+            parent = entry.parent
+            if parent is not None:
+                parent_entry = entries.get(parent)
+                if parent_entry is not None:
+                    children = parent_entry.children
+                    if children is not None:
+                        children.discard(key)
+                        if not children:
+                            parent_entry.children = None
+
+    def evict_many(self, keys: Iterable[int], tier: int) -> tuple[list[int], list[int]]:
+        """Drop ``keys`` from ``tier``, each with its subtree held on ``tier`` (children first).
+
+        Keys already dropped as part of an earlier key's subtree are skipped.
+        Returns the device block ids freed (victims and descendants; empty for
+        other tiers) and the descendants dropped along (the cascade).
+        """
+        entries = self._entries
+        on_device = tier & DEVICE
+        blocks: list[int] = []
+        cascaded: list[int] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not entry.tiers & tier:
+                if key in cascaded:
+                    continue
+                raise InternalInvariantError(f"evict of key {key:#x}, which tier {tier} lacks")
+            if entry.children:
+                subtree = self.resident_subtree(key, tier)
+                if subtree:
+                    if on_device:
+                        blocks.extend(entries[k].block_id for k in subtree)
+                    self.drop_many(subtree, tier)
+                    cascaded.extend(subtree)
+                if entry.children:  # children held only on other tiers: the general path
+                    if on_device:
+                        blocks.append(entry.block_id)
+                    self.drop_many((key,), tier)
+                    continue
+            # A leaf: inline the common case of drop_many.
+            if on_device:
+                blocks.append(entry.block_id)
+                entry.block_id = -1
+            remaining = entry.tiers & ~tier
+            entry.tiers = remaining
+            if remaining:
+                continue
+            del entries[key]
+            parent = entry.parent
+            if parent is not None:
+                parent_entry = entries.get(parent)
+                if parent_entry is not None:
+                    children = parent_entry.children
+                    if children is not None:
+                        children.discard(key)
+                        if not children:
+                            parent_entry.children = None
+        return blocks, cascaded
 
     def resident_subtree(self, key: int, tier: int) -> list[int]:
         """Descendants of ``key`` held on ``tier``, children before parents (``key`` excluded)."""
@@ -197,7 +298,7 @@ class PrefixIndex:
                 raise InternalInvariantError(f"entry {key:#x} is on no tier")
             if entry.pins < 0:
                 raise InternalInvariantError(f"entry {key:#x} has negative pins")
-            if (entry.block_id >= 0) != bool(entry.tiers & Tier.DEVICE):
+            if (entry.block_id >= 0) != bool(entry.tiers & DEVICE):
                 raise InternalInvariantError(f"entry {key:#x}: device bit and block id disagree")
             if entry.parent is None:
                 if entry.depth != 1:

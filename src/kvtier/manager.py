@@ -16,6 +16,7 @@ The manager is not thread-safe: one scheduler thread drives it.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,7 +30,6 @@ from kvtier.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvtier.index import PrefixIndex
 from kvtier.keys import BlockHasher, ExtraKey, Namespace
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.registry import make_policy
@@ -102,14 +102,15 @@ class CacheStats:
 
 
 class _Request:
-    __slots__ = ("chain_open", "extra", "keys", "shadow", "table", "tokens")
+    __slots__ = ("chain_open", "extra", "keys", "shadow", "table", "tail")
 
-    def __init__(self, tokens: list[int], table: BlockTable, extra: tuple[ExtraKey, ...]) -> None:
-        self.tokens = tokens
+    def __init__(self, table: BlockTable, extra: tuple[ExtraKey, ...]) -> None:
         self.table = table
         self.extra = extra
         #: Keys of the leading full blocks published (or held as shadows).
         self.keys: list[int] = []
+        #: Tokens after the last keyed block: what the next block key hashes.
+        self.tail: array[int] = array("I")
         #: False once admission declined a block: later blocks stay private.
         self.chain_open = True
         #: position -> cached block held in place of this request's duplicate.
@@ -128,24 +129,33 @@ class _Request:
         return out
 
 
-def _check_tokens(token_ids: Sequence[int], what: str) -> list[int]:
+def _token_array(token_ids: Sequence[int], what: str, allow_empty: bool = False) -> array[int]:
+    """Token ids as a uint32 array; rejects empty, negative, non-integer or too large ids.
+
+    ``array("I")`` accepts exactly the integers in ``[0, 2**32)``, in one pass
+    in C; the slower scan for a precise message runs only on bad input.
+    """
     if isinstance(token_ids, str | bytes):
         raise BadRequestError(
             f"{what} must be a sequence of integer token ids, not {type(token_ids).__name__}"
         )
-    tokens = list(token_ids)
-    if not tokens:
+    if not allow_empty and len(token_ids) == 0:
         raise BadRequestError(f"{what} is empty: give at least one token id")
     try:
-        lowest = min(tokens)
-    except TypeError as exc:
-        raise BadRequestError(f"{what} must hold integer token ids: {exc}") from exc
-    if lowest < 0:
-        raise BadRequestError(f"{what} holds a negative token id ({lowest})")
-    highest = max(tokens)
-    if highest >= _MAX_TOKEN_ID:
-        raise BadRequestError(f"{what} holds token id {highest}, above the limit 2**32 - 1")
-    return tokens
+        return array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise BadRequestError(
+                    f"{what} must hold integer token ids, got {type(t).__name__}"
+                ) from None
+            if t < 0:
+                raise BadRequestError(f"{what} holds a negative token id ({t})") from None
+            if t >= _MAX_TOKEN_ID:
+                raise BadRequestError(
+                    f"{what} holds token id {t}, above the limit 2**32 - 1"
+                ) from None
+        raise BadRequestError(f"{what} holds invalid token ids: {exc}") from exc
 
 
 class KVCacheManager:
@@ -171,8 +181,7 @@ class KVCacheManager:
         if not 0.0 < high_watermark <= 1.0:
             raise ConfigError(f"high_watermark must be in (0, 1], got {high_watermark}")
         policy_obj = make_policy(policy) if isinstance(policy, str) else policy
-        self.index = PrefixIndex()
-        self.pool = BlockPool(num_blocks, block_size, policy_obj, self.index)
+        self.pool = BlockPool(num_blocks, block_size, policy_obj)
         self.block_size = block_size
         self.hasher = BlockHasher(
             namespace or Namespace("default"), block_size, hash_algorithm, hash_secret
@@ -281,7 +290,8 @@ class KVCacheManager:
 
         ``extra_keys`` (a LoRA id, a per-request cache salt) are mixed into every
         block key. ``block_keys`` may carry keys the caller already computed with
-        ``self.hasher`` for the full blocks of ``token_ids``, to hash only once.
+        ``self.hasher.chain`` for the full blocks of ``token_ids`` (a scheduler
+        hashes a request once, on arrival); only the partial tail is then read.
         The last prompt token is never reported cached: the engine needs at
         least one token to compute logits from.
         """
@@ -291,13 +301,20 @@ class KVCacheManager:
             raise BadRequestError(f"request id {request_id!r} is not hashable") from None
         if live:
             raise DuplicateRequestError(request_id)
-        tokens = _check_tokens(token_ids, "token_ids")
         bs = self.block_size
-        n = len(tokens)
-        n_full = n // bs
         extra = tuple(extra_keys)
+        if isinstance(token_ids, str | bytes) or len(token_ids) == 0:
+            _token_array(token_ids, "token_ids")  # raises the right error
+        n = len(token_ids)
+        n_full = n // bs
+        # Validating the tail doubles as storing it; hashing validates the rest.
+        tail = _token_array(token_ids[n_full * bs :], "token_ids", allow_empty=True)
         if block_keys is None:
-            keys = self.hasher.chain(tokens, extra=extra)
+            try:
+                keys = self.hasher.chain(token_ids, extra=extra)
+            except BadRequestError:
+                _token_array(token_ids, "token_ids")  # a precise message
+                raise
         else:
             keys = list(block_keys)
             if len(keys) != n_full:
@@ -313,11 +330,13 @@ class KVCacheManager:
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
         table = BlockTable(bs, hits + new_blocks, n)
-        req = _Request(tokens, table, extra)
+        req = _Request(table, extra)
         req.keys = keys[:n_hit]
         self._requests[request_id] = req
         if n_full > n_hit:
             self._publish(req, keys, n_full)
+        if req.chain_open:
+            req.tail = tail
         self._allocations += 1
         self._queried_tokens += n
         self._hit_tokens += n_hit * bs
@@ -326,35 +345,53 @@ class KVCacheManager:
 
     def _publish(self, req: _Request, keys: Sequence[int], upto: int) -> None:
         """Publish the request's full blocks ``len(req.keys) .. upto-1`` under ``keys``."""
-        pool = self.pool
-        blocks = req.table.blocks
         own = req.keys
-        for i in range(len(own), upto):
-            if not req.chain_open:
-                return
-            key = keys[i]
-            block = blocks[i]
-            cached = pool.commit(block, key, own[-1] if own else None)
+        start = len(own)
+        results = self.pool.commit_chain(
+            req.table.blocks[start:upto], keys[start:upto], own[-1] if own else None
+        )
+        blocks = req.table.blocks
+        for i, cached in enumerate(results, start):
             if cached < 0:
                 req.chain_open = False
+                req.tail = array("I")
                 return
-            if cached != block:
+            if cached != blocks[i]:
                 # Same content is cached elsewhere: hold that copy so the chain
                 # this request publishes under it can never be stranded.
-                pool.acquire((cached,))
+                self.pool.acquire((cached,), hit=False)
                 req.shadow[i] = cached
                 self._duplicates += 1
-            own.append(key)
+        own.extend(keys[start:upto])
 
-    def extend(self, request_id: RequestId, new_token_ids: Sequence[int]) -> Extension:
-        """Append tokens (prompt continuation or generated tokens) to a request."""
+    def extend(
+        self,
+        request_id: RequestId,
+        new_token_ids: Sequence[int],
+        *,
+        block_keys: Sequence[int] | None = None,
+    ) -> Extension:
+        """Append tokens (prompt continuation or generated tokens) to a request.
+
+        ``block_keys`` may carry the keys of the blocks these tokens fill,
+        chained from the request's previous full block and computed with
+        ``self.hasher`` (as for :meth:`allocate`); otherwise they are hashed here.
+        """
         req = self._get(request_id)
-        new_tokens = _check_tokens(new_token_ids, "new_token_ids")
         bs = self.block_size
-        pool = self.pool
         table = req.table
         old_n = table.num_tokens
-        new_n = old_n + len(new_tokens)
+        n_new = len(new_token_ids)
+        new_n = old_n + n_new
+        n_full = new_n // bs
+        new_tokens = _token_array(new_token_ids, "new_token_ids")
+        if block_keys is not None:
+            expected = n_full - old_n // bs
+            if len(block_keys) != expected:
+                raise BadRequestError(
+                    f"block_keys has {len(block_keys)} keys but these tokens fill {expected} blocks"
+                )
+        pool = self.pool
         grow = -(-new_n // bs) - len(table.blocks)
         cow = old_n % bs != 0 and pool.ref[table.blocks[-1]] > 1
         self._ensure_capacity(grow + cow, 0)
@@ -370,19 +407,26 @@ class KVCacheManager:
         new_blocks = pool.allocate(grow)
         table.blocks.extend(new_blocks)
         table.num_tokens = new_n
-        req.tokens.extend(new_tokens)
-        n_full = new_n // bs
-        if req.chain_open and n_full > len(req.keys):
-            self._publish(req, self._extend_keys(req, n_full), n_full)
+        if req.chain_open:
+            if n_full == len(req.keys):
+                req.tail.extend(new_tokens)
+            elif block_keys is not None:
+                rest = new_n % bs
+                req.tail = new_tokens[n_new - rest :] if rest else array("I")
+                self._publish(req, [*req.keys, *block_keys], n_full)
+            else:
+                req.tail.extend(new_tokens)
+                self._publish(req, self._extend_keys(req, n_full), n_full)
         self._after_growth()
         return Extension(table.copy(), new_blocks, copies)
 
     def _extend_keys(self, req: _Request, n_full: int) -> list[int]:
         """The request's published keys plus keys for its newly full blocks."""
-        start = len(req.keys)
-        parent = req.keys[-1] if req.keys else None
         bs = self.block_size
-        more = self.hasher.chain(req.tokens[start * bs : n_full * bs], parent, extra=req.extra)
+        cut = (n_full - len(req.keys)) * bs
+        parent = req.keys[-1] if req.keys else None
+        more = self.hasher.chain(req.tail[:cut], parent, extra=req.extra)
+        del req.tail[:cut]
         return req.keys + more
 
     def free(self, request_id: RequestId) -> None:
@@ -401,11 +445,12 @@ class KVCacheManager:
             raise BadRequestError(f"request id {dst_id!r} is not hashable") from None
         if live:
             raise DuplicateRequestError(dst_id)
-        dst = _Request(list(src.tokens), src.table.copy(), src.extra)
+        dst = _Request(src.table.copy(), src.extra)
+        dst.tail = array("I", src.tail)
         dst.keys = list(src.keys)
         dst.chain_open = src.chain_open
         dst.shadow = dict(src.shadow)
-        self.pool.acquire(dst.held_blocks())
+        self.pool.acquire(dst.held_blocks(), hit=False)
         self._requests[dst_id] = dst
         return dst.table.copy()
 
@@ -454,5 +499,7 @@ class KVCacheManager:
             table = req.table
             if len(table.blocks) != blocks_needed(table.num_tokens, self.block_size):
                 raise InternalInvariantError(f"request {rid!r}: table size does not fit its tokens")
-            if len(req.tokens) != table.num_tokens:
-                raise InternalInvariantError(f"request {rid!r}: token count mismatch")
+            if req.chain_open and len(req.keys) * self.block_size + len(req.tail) != (
+                table.num_tokens
+            ):
+                raise InternalInvariantError(f"request {rid!r}: keyed and tail tokens mismatch")

@@ -3,17 +3,23 @@
 Every physical block is in exactly one state:
 
 * **empty**: on the free list, no key, ref count 0;
-* **private**: held by one or more requests (ref > 0) but not in the prefix
-  index (a partial tail, a block admission declined, a duplicate);
-* **cached**: committed under a key in the prefix index. A cached block with
-  ref count 0 is *evictable*: it still holds valid KV and a later request can
-  hit it, until the eviction policy picks it to make room.
+* **private**: held by one or more requests (ref > 0) but not published (a
+  partial tail, a block admission declined, a duplicate of a cached block);
+* **cached**: published under a key. A cached block with ref count 0 is
+  *evictable*: it still holds valid KV and a later request can hit it, until
+  the eviction policy picks it to make room.
 
-Allocation pops the free list and, when that is empty, asks the policy for a
-victim (O(1) for the shipped policies). A victim's cached descendants are
-evicted with it, children first, so no cached child outlives its parent. They
-are always evictable: a request holds its whole chain, so a pinned child
-implies a pinned parent.
+The device is the hot path, so its residency and prefix chains live here in
+flat per-block arrays (key, parent block, children) and one ``key -> block``
+dict, not in per-key objects: publishing or evicting a block costs a few list
+operations and one dict operation. The :class:`~kvtier.index.PrefixIndex`
+keeps the same facts for the slower tiers.
+
+Allocation pops the free list and, when that is empty, asks the policy for
+victims (O(1) each for the shipped policies). A victim's cached descendants
+are evicted with it, children first, so no cached child outlives its parent.
+They are always evictable: a request holds its whole chain, so a held child
+implies a held parent.
 
 All methods that can fail check first and then mutate, so a failure leaves
 the pool exactly as it was.
@@ -21,26 +27,19 @@ the pool exactly as it was.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
-from kvtier.index import PrefixIndex, Tier
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.lru import LRUPolicy
-
-_DEVICE = int(Tier.DEVICE)
 
 
 class BlockPool:
     """``num_blocks`` physical blocks of ``block_size`` tokens on one device."""
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        policy: EvictionPolicy | None = None,
-        index: PrefixIndex | None = None,
+        self, num_blocks: int, block_size: int, policy: EvictionPolicy | None = None
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -48,12 +47,20 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
-        self.index = index if index is not None else PrefixIndex()
+        # Policies that keep PolicyBase's admit-everything are not asked per block.
+        self._admits_all = getattr(type(self.policy), "admit", None) is PolicyBase.admit
         self.ref: list[int] = [0] * num_blocks
         #: Key of each cached block; ``None`` for empty and private blocks.
         self.block_key: list[int | None] = [None] * num_blocks
         #: Bumped each time a block is handed out, so stale ``(block, version)`` is detectable.
         self.version: list[int] = [0] * num_blocks
+        #: Parent block of each cached block (-1 for a chain's first block).
+        self.parent: list[int] = [-1] * num_blocks
+        #: First cached child of each cached block (-1: none); most blocks have
+        #: at most one, so further children go to ``_more_children``.
+        self.first_child: list[int] = [-1] * num_blocks
+        self._more_children: dict[int, list[int]] = {}
+        self._cached: dict[int, int] = {}
         # Popping from the end hands out low ids first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.evictions = 0
@@ -78,7 +85,7 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.policy)
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
@@ -89,37 +96,83 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
+    def children_of(self, block: int) -> list[int]:
+        """Cached child blocks of a cached ``block``."""
+        first = self.first_child[block]
+        if first < 0:
+            return []
+        return [first, *self._more_children.get(block, ())]
+
+    def _link(self, parent: int, child: int) -> None:
+        self.parent[child] = parent
+        if self.first_child[parent] < 0:
+            self.first_child[parent] = child
+        else:
+            self._more_children.setdefault(parent, []).append(child)
+
+    def _unlink(self, child: int) -> None:
+        """Detach ``child`` from its parent's children (it keeps no parent)."""
+        p = self.parent[child]
+        if p < 0:
+            return
+        self.parent[child] = -1
+        more = self._more_children
+        if self.first_child[p] == child:
+            rest = more.get(p)
+            if rest:
+                self.first_child[p] = rest.pop()
+                if not rest:
+                    del more[p]
+            else:
+                self.first_child[p] = -1
+        else:
+            rest = more[p]
+            rest.remove(child)
+            if not rest:
+                del more[p]
+
     # -- lookup and references ---------------------------------------------
+    def cached_block(self, key: int) -> int | None:
+        """The block cached under ``key``, if any."""
+        return self._cached.get(key)
+
     def lookup(self, keys: Sequence[int]) -> list[int]:
         """Block ids of the longest prefix of ``keys`` cached on this device."""
-        entries_get = self.index.get
+        get = self._cached.get
         out: list[int] = []
         for key in keys:
-            entry = entries_get(key)
-            if entry is None or entry.block_id < 0:
+            b = get(key)
+            if b is None:
                 break
-            out.append(entry.block_id)
+            out.append(b)
         return out
 
     def count_evictable(self, block_ids: Iterable[int]) -> int:
-        """How many of ``block_ids`` are evictable now (would stop being so if acquired)."""
+        """How many of ``block_ids`` (cached blocks) are evictable now."""
         ref = self.ref
-        key = self.block_key
-        return sum(1 for b in block_ids if ref[b] == 0 and key[b] is not None)
+        return [ref[b] for b in block_ids].count(0)
 
-    def acquire(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cached or held blocks (a hit, a fork, a shadow hold)."""
+    def acquire(self, block_ids: Iterable[int], *, hit: bool = True) -> None:
+        """Take a reference on cached or held blocks.
+
+        ``hit`` says the blocks are being reused by a lookup (the policy hears
+        an access); a fork or a shadow hold is not a use.
+        """
         ref = self.ref
         keys = self.block_key
-        policy = self.policy
+        pinned: list[int] = []
         for b in block_ids:
-            if ref[b] == 0:
+            count = ref[b]
+            if count == 0:
                 key = keys[b]
                 if key is None:
                     raise InternalInvariantError(f"acquire of empty block {b}")
-                policy.access(key)
-                policy.pin(key)
-            ref[b] += 1
+                pinned.append(key)
+            ref[b] = count + 1
+        if pinned:
+            self.policy.pin_many(pinned)
+            if hit:
+                self.policy.access_many(pinned)
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the order given.
@@ -130,7 +183,7 @@ class BlockPool:
         ref = self.ref
         keys = self.block_key
         free = self._free
-        unpin = self.policy.unpin
+        unpinned: list[int] = []
         for b in block_ids:
             count = ref[b] - 1
             if count < 0:
@@ -141,64 +194,106 @@ class BlockPool:
                 if key is None:
                     free.append(b)
                 else:
-                    unpin(key)
+                    unpinned.append(key)
+        if unpinned:
+            self.policy.unpin_many(unpinned)
 
     # -- allocation ----------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh private blocks (ref 1 each), evicting cached ones if needed."""
         if n <= 0:
             return []
-        available = len(self._free) + self.policy.num_evictable
-        if n > available:
-            raise OutOfBlocksError(n, available, self.num_blocks)
         free = self._free
+        if n > len(free):
+            available = len(free) + self.policy.num_evictable
+            if n > available:
+                raise OutOfBlocksError(n, available, self.num_blocks)
+            self._reclaim(n)
+        out = free[-n:]
+        del free[-n:]
+        out.reverse()
         ref = self.ref
         version = self.version
-        out: list[int] = []
-        for _ in range(n):
-            b = free.pop() if free else self._evict_one()
+        for b in out:
             ref[b] = 1
             version[b] += 1
-            out.append(b)
         return out
 
-    def _evict_one(self) -> int:
-        """Evict the policy's victim (and its cached subtree); return the victim's block."""
-        victim = self.policy.evict()
-        if victim is None:
-            raise InternalInvariantError("policy found no victim although blocks are evictable")
-        index = self.index
-        entry = index.get(victim)
-        if entry is None or entry.block_id < 0:
-            raise InternalInvariantError(f"policy evicted key {victim:#x} the device does not hold")
-        if entry.children:
-            for key in index.resident_subtree(victim, _DEVICE):
-                child = index.get(key)
-                assert child is not None
-                b = child.block_id
-                if self.ref[b]:
+    def _reclaim(self, target: int) -> None:
+        """Evict until the free list holds at least ``target`` blocks."""
+        free = self._free
+        policy = self.policy
+        while len(free) < target:
+            victims = policy.evict_many(target - len(free))
+            if not victims:
+                raise InternalInvariantError(
+                    "policy found no victim although blocks are evictable"
+                )
+            self._drop_victims(victims)
+
+    def _drop_victims(self, victims: list[int]) -> None:
+        """Free the victims' blocks, and their cached subtrees (children first)."""
+        cached = self._cached
+        block_key = self.block_key
+        parent = self.parent
+        first_child = self.first_child
+        more = self._more_children
+        free = self._free
+        evicted = 0
+        cascaded = False
+        for key in victims:
+            b = cached.pop(key, None)
+            if b is None:
+                if not cascaded:  # else an earlier victim's subtree may have taken it
                     raise InternalInvariantError(
-                        f"cascade would evict block {b}, which a request holds"
+                        f"policy evicted key {key:#x}, which the device does not hold"
                     )
-                self.policy.remove(key)
-                index.drop(key, _DEVICE)
-                self.block_key[b] = None
-                self._free.append(b)
-                self.cascade_evictions += 1
-        block = entry.block_id
-        index.drop(victim, _DEVICE)
-        self.block_key[block] = None
-        self.evictions += 1
-        return block
+                continue
+            if first_child[b] >= 0:
+                self._evict_subtree(b)
+                cascaded = True
+            block_key[b] = None
+            p = parent[b]
+            if p >= 0:
+                # The common case inline: b is its parent's only child.
+                if first_child[p] == b and p not in more:
+                    parent[b] = -1
+                    first_child[p] = -1
+                else:
+                    self._unlink(b)
+            free.append(b)
+            evicted += 1
+        self.evictions += evicted
+
+    def _evict_subtree(self, root: int) -> None:
+        """Evict the cached descendants of block ``root`` to the free list, children first."""
+        order: list[int] = []
+        stack = self.children_of(root)
+        while stack:
+            b = stack.pop()
+            order.append(b)
+            stack.extend(self.children_of(b))
+        ref = self.ref
+        if any(ref[b] for b in order):
+            raise InternalInvariantError("a cascade would evict a block that a request holds")
+        remove = self.policy.remove
+        for b in reversed(order):
+            key = self.block_key[b]
+            assert key is not None
+            remove(key)
+            del self._cached[key]
+            self.block_key[b] = None
+            self._unlink(b)
+            self._free.append(b)
+        self.cascade_evictions += len(order)
 
     def evict(self, n: int) -> int:
         """Reclaim up to ``n`` evictable blocks now (garbage collection); returns how many."""
-        freed = 0
-        while freed < n and self.policy.num_evictable:
-            before = len(self._free)
-            self._free.append(self._evict_one())
-            freed += len(self._free) - before
-        return freed
+        before = len(self._free)
+        n = min(n, self.policy.num_evictable)
+        if n > 0:
+            self._reclaim(before + n)
+        return len(self._free) - before
 
     def clear_cache(self) -> int:
         """Evict every cached block that no request holds; returns how many."""
@@ -206,32 +301,86 @@ class BlockPool:
 
     # -- committing -----------------------------------------------------------
     def commit(self, block: int, key: int, parent: int | None) -> int:
-        """Publish a full private ``block`` under ``key``.
+        """Publish a full private ``block`` under ``key``; see :meth:`commit_chain`."""
+        results = self.commit_chain((block,), (key,), parent)
+        return results[0]
 
-        Returns ``block`` when it became the cached copy; the id of the block
-        already cached under ``key`` when this one is a duplicate (it stays
-        private; the caller may hold the cached copy to keep the chain); or
-        ``-1`` when admission declined the key (the chain stops here).
+    def commit_chain(
+        self, blocks: Sequence[int], keys: Sequence[int], parent: int | None
+    ) -> list[int]:
+        """Publish a run of full private blocks forming a chain under key ``parent``.
+
+        Returns, per block: the block itself when it became the cached copy;
+        the id of the block already cached under its key when it is a
+        duplicate (it stays private; the caller may hold the cached copy to
+        keep the chain); or ``-1`` when admission declined it, which ends the
+        run (later blocks would have no cached parent).
         """
-        index = self.index
-        entry = index.get(key)
-        if entry is not None and entry.block_id >= 0:
-            return entry.block_id
-        if self.block_key[block] is not None or self.ref[block] <= 0:
-            raise InternalInvariantError(f"commit of block {block}, which is not private")
-        if parent is not None:
-            parent_entry = index.get(parent)
-            if parent_entry is None or parent_entry.block_id < 0:
+        if len(blocks) != len(keys):
+            raise InternalInvariantError("commit_chain needs one key per block")
+        if not blocks:
+            return []
+        cached = self._cached
+        if parent is None:
+            pb = -1
+        else:
+            found = cached.get(parent)
+            if found is None:
                 raise InternalInvariantError(
-                    f"commit of block {block} whose parent {parent:#x} is not cached"
+                    f"commit under parent {parent:#x}, which is not cached"
                 )
-        if not self.policy.admit(key):
-            self.declined += 1
-            return -1
-        index.add(key, parent, _DEVICE, block)
-        self.block_key[block] = key
-        self.policy.insert(key, True)
-        return block
+            pb = found
+        block_key = self.block_key
+        if (
+            self._admits_all
+            and cached.keys().isdisjoint(keys)
+            and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)
+        ):
+            # Fast path, all in C: every key is new and admitted.
+            n = len(blocks)
+            cached.update(zip(keys, blocks, strict=True))
+            deque(map(block_key.__setitem__, blocks, keys), maxlen=0)
+            if pb >= 0:
+                self._link(pb, blocks[0])
+            else:
+                self.parent[blocks[0]] = -1
+            if n > 1:
+                tail = blocks[1:]
+                head = blocks[:-1]
+                deque(map(self.parent.__setitem__, tail, head), maxlen=0)
+                deque(map(self.first_child.__setitem__, head, tail), maxlen=0)
+            self.policy.insert_many(keys, True)
+            return list(blocks)
+        return self._commit_chain_slow(blocks, keys, pb)
+
+    def _commit_chain_slow(self, blocks: Sequence[int], keys: Sequence[int], pb: int) -> list[int]:
+        cached = self._cached
+        block_key = self.block_key
+        admit = None if self._admits_all else self.policy.admit
+        results: list[int] = []
+        published: list[int] = []
+        for block, key in zip(blocks, keys, strict=True):
+            existing = cached.get(key)
+            if existing is not None:
+                results.append(existing)
+                pb = existing
+                continue
+            if block_key[block] is not None:
+                raise InternalInvariantError(f"commit of block {block}, which is already cached")
+            if admit is not None and not admit(key):
+                self.declined += 1
+                results.append(-1)
+                break
+            cached[key] = block
+            block_key[block] = key
+            if pb >= 0:
+                self._link(pb, block)
+            published.append(key)
+            results.append(block)
+            pb = block
+        if published:
+            self.policy.insert_many(published, True)
+        return results
 
     # -- checking --------------------------------------------------------------
     def check(self, holders: Iterable[Iterable[int]] | None = None) -> None:
@@ -253,21 +402,34 @@ class BlockPool:
             if key is None:
                 if r == 0:
                     raise InternalInvariantError(f"block {b} leaked: private, unreferenced")
+                if self.parent[b] != -1 or self.first_child[b] != -1 or b in self._more_children:
+                    raise InternalInvariantError(f"private block {b} has chain links")
                 continue
             n_cached += 1
-            entry = self.index.get(key)
-            if entry is None or entry.block_id != b or not entry.tiers & _DEVICE:
-                raise InternalInvariantError(f"cached block {b} is not indexed as such")
+            if self._cached.get(key) != b:
+                raise InternalInvariantError(f"cached block {b} is not mapped from its key")
             if key not in self.policy:
                 raise InternalInvariantError(f"cached block {b} is unknown to the policy")
+            p = self.parent[b]
+            if p >= 0:
+                if self.block_key[p] is None:
+                    raise InternalInvariantError(f"cached block {b} is orphaned: parent {p} gone")
+                if b not in self.children_of(p):
+                    raise InternalInvariantError(f"parent {p} does not list its child {b}")
+            for c in self.children_of(b):
+                if self.parent[c] != b:
+                    raise InternalInvariantError(f"block {b} lists {c}, whose parent differs")
             if r == 0:
                 n_evictable += 1
-            elif entry.parent is not None:
-                parent = self.index.get(entry.parent)
-                if parent is None or parent.block_id < 0 or self.ref[parent.block_id] == 0:
-                    raise InternalInvariantError(
-                        f"held block {b} has a parent that is not held: it could be stranded"
-                    )
+            elif p >= 0 and self.ref[p] == 0:
+                raise InternalInvariantError(
+                    f"held block {b} has a parent that is not held: it could be stranded"
+                )
+        for b, rest in self._more_children.items():
+            if not rest or self.first_child[b] < 0:
+                raise InternalInvariantError(f"block {b} has a malformed children list")
+        if n_cached != len(self._cached):
+            raise InternalInvariantError("the key map holds blocks that are not cached")
         if n_cached != len(self.policy):
             raise InternalInvariantError(
                 f"{n_cached} cached blocks but the policy tracks {len(self.policy)}"
@@ -277,10 +439,6 @@ class BlockPool:
                 f"{n_evictable} evictable blocks but the policy counts "
                 f"{self.policy.num_evictable}"
             )
-        device_entries = sum(1 for e in self.index if e.tiers & _DEVICE)
-        if device_entries != n_cached:
-            raise InternalInvariantError("index and pool disagree on the cached blocks")
-        self.index.check()
         if holders is not None:
             counts: Counter[int] = Counter()
             for held in holders:

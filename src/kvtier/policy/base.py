@@ -11,17 +11,25 @@ transitions only:
   (its reference count went 0 -> 1 / 1 -> 0). A release is the last use, so
   recency-based policies treat ``unpin`` as a use;
 * ``remove(key)``: the owner dropped a resident key itself (a cascade, an
-  invalidation); not a policy decision;
+  invalidation); not a policy decision. Keys the policy does not hold as
+  resident (already evicted) are ignored;
 * ``evict()``: choose an unpinned resident key, forget it as resident and
-  return it, or ``None`` when every resident key is pinned.
+  return it, or ``None`` when every resident key is pinned; ``evict_many(n)``
+  returns up to ``n`` victims in eviction order.
 
 Pinned keys are held outside the candidate order, so skipping them costs
 nothing and ``evict`` never scans. Policies may keep history about keys that
 are no longer resident (ARC's ghost lists, LFU counts) but must bound it.
+
+The owners call the batch forms (``insert_many``, ``pin_many``,
+``unpin_many``, ``access_many``) once per request rather than once per block; :class:`PolicyBase`
+implements them with the single-key methods, and a policy overrides them when
+it can do better.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 
@@ -43,7 +51,17 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: int) -> None: ...
 
+    def insert_many(self, keys: Sequence[int], pinned: bool = False) -> None: ...
+
+    def pin_many(self, keys: Sequence[int]) -> None: ...
+
+    def unpin_many(self, keys: Sequence[int]) -> None: ...
+
+    def access_many(self, keys: Sequence[int]) -> None: ...
+
     def evict(self) -> int | None: ...
+
+    def evict_many(self, n: int) -> list[int]: ...
 
     def __len__(self) -> int: ...
 
@@ -54,9 +72,49 @@ class EvictionPolicy(Protocol):
 
 
 class PolicyBase:
-    """Defaults shared by the shipped policies: admit everything."""
+    """Defaults shared by the shipped policies: admit everything; batch via singles."""
 
     name: ClassVar[str] = "base"
 
     def admit(self, key: int) -> bool:
         return True
+
+    def insert(self, key: int, pinned: bool = False) -> None:
+        raise NotImplementedError
+
+    def pin(self, key: int) -> None:
+        raise NotImplementedError
+
+    def unpin(self, key: int) -> None:
+        raise NotImplementedError
+
+    def insert_many(self, keys: Sequence[int], pinned: bool = False) -> None:
+        for key in keys:
+            self.insert(key, pinned)
+
+    def pin_many(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self.pin(key)
+
+    def unpin_many(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self.unpin(key)
+
+    def access(self, key: int) -> None:
+        raise NotImplementedError
+
+    def evict(self) -> int | None:
+        raise NotImplementedError
+
+    def evict_many(self, n: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(n):
+            key = self.evict()
+            if key is None:
+                break
+            out.append(key)
+        return out
+
+    def access_many(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self.access(key)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import ClassVar
 
 from kvtier.errors import InternalInvariantError
@@ -25,8 +26,8 @@ class LRUPolicy(PolicyBase):
         self._pinned: set[int] = set()
 
     def insert(self, key: int, pinned: bool = False) -> None:
-        if key in self._order or key in self._pinned:
-            raise InternalInvariantError(f"key {key:#x} inserted twice into the LRU policy")
+        # The owner guarantees a key is inserted once (its index deduplicates);
+        # check() verifies it, the hot path does not.
         if pinned:
             self._pinned.add(key)
         else:
@@ -35,6 +36,12 @@ class LRUPolicy(PolicyBase):
     def access(self, key: int) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def access_many(self, keys: Sequence[int]) -> None:
+        order = self._order
+        # Hits are usually pinned already (outside the order): nothing to move.
+        for key in order.keys() & keys:
+            order.move_to_end(key)
 
     def pin(self, key: int) -> None:
         try:
@@ -50,15 +57,42 @@ class LRUPolicy(PolicyBase):
             raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned") from None
         self._order[key] = None
 
+    def insert_many(self, keys: Sequence[int], pinned: bool = False) -> None:
+        if pinned:
+            self._pinned.update(keys)
+        else:
+            self._order.update(dict.fromkeys(keys))
+
+    def pin_many(self, keys: Sequence[int]) -> None:
+        try:
+            # A C-level loop: deque(maxlen=0) consumes the map without a Python frame.
+            deque(map(self._order.__delitem__, keys), maxlen=0)
+        except KeyError as exc:
+            raise InternalInvariantError(f"pin of key {exc} that is not evictable") from None
+        self._pinned.update(keys)
+
+    def unpin_many(self, keys: Sequence[int]) -> None:
+        pinned = self._pinned
+        before = len(pinned)
+        pinned.difference_update(keys)
+        if before - len(pinned) != len(keys):
+            raise InternalInvariantError("unpin of a key that is not pinned")
+        self._order.update(dict.fromkeys(keys))
+
     def remove(self, key: int) -> None:
-        if self._order.pop(key, 0) is None:
-            return
-        self._pinned.discard(key)
+        if key in self._order:
+            del self._order[key]
+        else:
+            self._pinned.discard(key)
 
     def evict(self) -> int | None:
         if not self._order:
             return None
         return self._order.popitem(last=False)[0]
+
+    def evict_many(self, n: int) -> list[int]:
+        popitem = self._order.popitem
+        return [popitem(False)[0] for _ in range(min(n, len(self._order)))]
 
     def __len__(self) -> int:
         return len(self._order) + len(self._pinned)

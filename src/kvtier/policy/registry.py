@@ -14,6 +14,10 @@ from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 
 PolicyFactory = Callable[..., EvictionPolicy]
+_METHODS = (
+    "admit", "insert", "access", "pin", "unpin", "remove", "evict",
+    "insert_many", "pin_many", "unpin_many", "access_many", "evict_many",
+)
 _REGISTRY: dict[str, PolicyFactory] = {}
 
 
@@ -55,11 +59,10 @@ def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
         policy = factory(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"policy {name!r} rejected its arguments {kwargs}: {exc}") from exc
-    missing = [m for m in ("admit", "insert", "access", "pin", "unpin", "remove", "evict")
-               if not callable(getattr(policy, m, None))]
+    missing = [m for m in _METHODS if not callable(getattr(policy, m, None))]
     if missing:
         raise ConfigError(
             f"policy {name!r} does not implement the EvictionPolicy protocol "
-            f"(missing {', '.join(missing)})"
+            f"(missing {', '.join(missing)}); subclass kvtier.PolicyBase for the batch forms"
         )
     return policy
