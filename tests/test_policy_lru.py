@@ -152,3 +152,11 @@ class LRUMachine(RuleBasedStateMachine):
 
 TestLRUMachine = LRUMachine.TestCase
 TestLRUMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_bind_sets_capacity_and_rejects_nonsense() -> None:
+    p = LRUPolicy()
+    p.bind(8)
+    assert p.capacity == 8
+    with pytest.raises(ConfigError, match="capacity"):
+        p.bind(0)

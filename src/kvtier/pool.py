@@ -47,6 +47,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self.policy.bind(num_blocks)
         # Policies that keep PolicyBase's admit-everything are not asked per block.
         self._admits_all = getattr(type(self.policy), "admit", None) is PolicyBase.admit
         self.ref: list[int] = [0] * num_blocks

@@ -5,6 +5,9 @@ host/disk/Redis tier, the replay simulator) and picks victims. The owner of
 the level keeps the payloads and reference counts and tells the policy about
 transitions only:
 
+* ``bind(capacity)``: called once by the owner before anything else, with
+  the number of keys the level can hold (ARC and S3-FIFO size their lists
+  and ghosts from it);
 * ``insert(key, pinned)``: ``key`` became resident (after ``admit`` said yes);
 * ``access(key)``: a resident key was hit (pinned or not);
 * ``pin(key)`` / ``unpin(key)``: the key stopped / started being evictable
@@ -32,12 +35,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
+from kvtier.errors import ConfigError
+
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
     """What the device pool, the tiers and the replay simulator call."""
 
     name: ClassVar[str]
+
+    def bind(self, capacity: int) -> None: ...
 
     def admit(self, key: int) -> bool: ...
 
@@ -75,6 +82,13 @@ class PolicyBase:
     """Defaults shared by the shipped policies: admit everything; batch via singles."""
 
     name: ClassVar[str] = "base"
+    #: Keys the owning level can hold; set by :meth:`bind` (0 until then).
+    capacity: int = 0
+
+    def bind(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ConfigError(f"a policy's capacity must be positive, got {capacity}")
+        self.capacity = capacity
 
     def admit(self, key: int) -> bool:
         return True

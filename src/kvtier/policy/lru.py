@@ -19,9 +19,10 @@ class LRUPolicy(PolicyBase):
 
     name: ClassVar[str] = "lru"
 
-    __slots__ = ("_order", "_pinned")
+    __slots__ = ("_order", "_pinned", "capacity")
 
     def __init__(self) -> None:
+        self.capacity = 0
         self._order: OrderedDict[int, None] = OrderedDict()
         self._pinned: set[int] = set()
 

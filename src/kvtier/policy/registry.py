@@ -15,7 +15,7 @@ from kvtier.policy.base import EvictionPolicy
 
 PolicyFactory = Callable[..., EvictionPolicy]
 _METHODS = (
-    "admit", "insert", "access", "pin", "unpin", "remove", "evict",
+    "bind", "admit", "insert", "access", "pin", "unpin", "remove", "evict",
     "insert_many", "pin_many", "unpin_many", "access_many", "evict_many",
 )
 _REGISTRY: dict[str, PolicyFactory] = {}
