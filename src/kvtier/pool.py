@@ -27,7 +27,7 @@ the pool exactly as it was.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
@@ -331,31 +331,6 @@ class BlockPool:
                     f"commit under parent {parent:#x}, which is not cached"
                 )
             pb = found
-        block_key = self.block_key
-        if (
-            self._admits_all
-            and cached.keys().isdisjoint(keys)
-            and list(map(block_key.__getitem__, blocks)).count(None) == len(blocks)
-        ):
-            # Fast path, all in C: every key is new and admitted.
-            n = len(blocks)
-            cached.update(zip(keys, blocks, strict=True))
-            deque(map(block_key.__setitem__, blocks, keys), maxlen=0)
-            if pb >= 0:
-                self._link(pb, blocks[0])
-            else:
-                self.parent[blocks[0]] = -1
-            if n > 1:
-                tail = blocks[1:]
-                head = blocks[:-1]
-                deque(map(self.parent.__setitem__, tail, head), maxlen=0)
-                deque(map(self.first_child.__setitem__, head, tail), maxlen=0)
-            self.policy.insert_many(keys, True)
-            return list(blocks)
-        return self._commit_chain_slow(blocks, keys, pb)
-
-    def _commit_chain_slow(self, blocks: Sequence[int], keys: Sequence[int], pb: int) -> list[int]:
-        cached = self._cached
         block_key = self.block_key
         admit = None if self._admits_all else self.policy.admit
         results: list[int] = []
