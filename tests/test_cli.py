@@ -34,3 +34,18 @@ def test_console_script_runs() -> None:
         [sys.executable, "-m", "kvtier.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "info" in res.stdout
+
+
+def test_replay_with_no_trace_uses_the_bundled_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "mooncake_conversation_sample.jsonl" in out
+    assert "MIN*" in out and "lru" in out and "1.00%" in out and "10.00%" in out
+
+
+def test_console_script_replays() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "replay", "--limit", "100", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    assert json.loads(res.stdout)["results"][0]["policy"] == "lru"

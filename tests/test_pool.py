@@ -19,7 +19,7 @@ def test_bad_sizes() -> None:
     with pytest.raises(ConfigError):
         BlockPool(4, 0)
     with pytest.raises(ConfigError):
-        BlockPool(True, 4)
+        BlockPool(-3, 4)
 
 
 def test_allocate_release_and_out_of_blocks_is_atomic() -> None:

@@ -1,8 +1,8 @@
 """kvtier: a KV-cache manager for LLM inference.
 
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
-prefix index, the device block pool, eviction policies and the request-level
-:class:`KVCacheManager`.
+prefix index, the device block pool, eviction and admission policies, the
+request-level :class:`KVCacheManager`, and trace replay (:mod:`kvtier.replay`).
 """
 
 from kvtier.block_table import BlockTable, blocks_needed
@@ -23,19 +23,59 @@ from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.policy import (
+    AdmissionFilter,
+    Admitted,
+    ARCPolicy,
     EvictionPolicy,
+    FIFOPolicy,
+    GDSFPolicy,
+    HybridPolicy,
+    LFUPolicy,
     LRUPolicy,
     PolicyBase,
+    S3FIFOPolicy,
+    SIEVEPolicy,
+    TinyLFUAdmission,
     available_policies,
+    make_admission,
     make_policy,
     register_policy,
 )
 from kvtier.pool import BlockPool
+from kvtier.replay import (
+    Capacity,
+    Trace,
+    TraceRequest,
+    belady_min,
+    load_sample_trace,
+    load_trace,
+    parse_capacity,
+    simulate,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "ARCPolicy",
+    "AdmissionFilter",
+    "Admitted",
+    "Capacity",
+    "FIFOPolicy",
+    "GDSFPolicy",
+    "HybridPolicy",
+    "LFUPolicy",
+    "S3FIFOPolicy",
+    "SIEVEPolicy",
+    "TinyLFUAdmission",
+    "Trace",
+    "TraceRequest",
+    "belady_min",
+    "load_sample_trace",
+    "load_trace",
+    "make_admission",
+    "parse_capacity",
+    "simulate",
     "AdmissionRejectedError",
     "Allocation",
     "BadRequestError",

@@ -78,7 +78,8 @@ def _digest_fn(algorithm: str, secret: bytes | None) -> Callable[[bytes], int]:
     if algorithm == "xxh3_128":
         if secret is not None:
             raise ConfigError("a hash secret needs algorithm='blake2b' (keyed hashing)")
-        return xxhash.xxh3_128_intdigest
+        xxh: Callable[[bytes], int] = xxhash.xxh3_128_intdigest
+        return xxh
     if algorithm == "sha256":
         if secret is not None:
             raise ConfigError("a hash secret needs algorithm='blake2b' (keyed hashing)")

@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mypy_extensions import mypyc_attr
+
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     BadRequestError,
@@ -135,16 +137,18 @@ def _token_array(token_ids: Sequence[int], what: str, allow_empty: bool = False)
     ``array("I")`` accepts exactly the integers in ``[0, 2**32)``, in one pass
     in C; the slower scan for a precise message runs only on bad input.
     """
-    if isinstance(token_ids, str | bytes):
+    given: object = token_ids  # a plain object: mypyc narrows str|bytes wrongly
+    if isinstance(given, (str, bytes)):
         raise BadRequestError(
-            f"{what} must be a sequence of integer token ids, not {type(token_ids).__name__}"
+            f"{what} must be a sequence of integer token ids, not {type(given).__name__}"
         )
     if not allow_empty and len(token_ids) == 0:
         raise BadRequestError(f"{what} is empty: give at least one token id")
     try:
         return array("I", token_ids)
     except (OverflowError, TypeError) as exc:
-        for t in token_ids:
+        items: Sequence[object] = token_ids  # objects: bad input may hold anything
+        for t in items:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise BadRequestError(
                     f"{what} must hold integer token ids, got {type(t).__name__}"
@@ -158,6 +162,7 @@ def _token_array(token_ids: Sequence[int], what: str, allow_empty: bool = False)
         raise BadRequestError(f"{what} holds invalid token ids: {exc}") from exc
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """Prefix-caching KV block manager over one device pool.
 
@@ -303,7 +308,7 @@ class KVCacheManager:
             raise DuplicateRequestError(request_id)
         bs = self.block_size
         extra = tuple(extra_keys)
-        if isinstance(token_ids, str | bytes) or len(token_ids) == 0:
+        if isinstance(token_ids, (str, bytes)) or len(token_ids) == 0:
             _token_array(token_ids, "token_ids")  # raises the right error
         n = len(token_ids)
         n_full = n // bs

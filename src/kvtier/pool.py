@@ -30,11 +30,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.lru import LRUPolicy
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """``num_blocks`` physical blocks of ``block_size`` tokens on one device."""
 
@@ -42,7 +45,7 @@ class BlockPool:
         self, num_blocks: int, block_size: int, policy: EvictionPolicy | None = None
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -346,6 +349,11 @@ class BlockPool:
             if admit is not None and not admit(key):
                 self.declined += 1
                 results.append(-1)
+                # Show the filter the rest of the run too, so the next sighting
+                # of this chain admits all of it, not one block per repeat.
+                for later in keys[len(results) :]:
+                    if later not in cached:
+                        admit(later)
                 break
             cached[key] = block
             block_key[block] = key

@@ -5,6 +5,10 @@ host/disk/Redis tier, the replay simulator) and picks victims. The owner of
 the level keeps the payloads and reference counts and tells the policy about
 transitions only:
 
+* ``admit(key)``: whether to cache a new key; an admission filter may record
+  the sighting. After a decline the owner stops caching that chain but still
+  asks about its remaining new keys (ignoring the answers), so a filter sees
+  whole chains;
 * ``bind(capacity)``: called once by the owner before anything else, with
   the number of keys the level can hold (ARC and S3-FIFO size their lists
   and ghosts from it);

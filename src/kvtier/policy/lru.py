@@ -6,10 +6,13 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LRUPolicy(PolicyBase):
     """LRU over unpinned resident keys; a release (``unpin``) counts as a use.
 

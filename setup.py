@@ -1,0 +1,36 @@
+"""Build hook: compile kvtier's hot-path modules with mypyc when possible.
+
+The block pool, the manager, block tables and the LRU policy run once per
+block of every request; compiled by mypyc (from the same typed source) they
+run about 1.5-2x faster. Set KVTIER_PURE_PYTHON=1 to skip compilation; a
+machine without a C compiler falls back to pure Python on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+
+COMPILED = [
+    "src/kvtier/pool.py",
+    "src/kvtier/manager.py",
+    "src/kvtier/block_table.py",
+    "src/kvtier/policy/lru.py",
+]
+
+
+def ext_modules() -> list[object]:
+    if os.environ.get("KVTIER_PURE_PYTHON") == "1":
+        return []
+    try:
+        from mypyc.build import mypycify
+
+        return list(mypycify(COMPILED, opt_level="3", separate=False))
+    except (Exception, SystemExit) as exc:  # no mypyc, a type error, no compiler: pure Python
+        print(f"kvtier: building without mypyc ({exc}); pure Python", file=sys.stderr)
+        return []
+
+
+setup(ext_modules=ext_modules())

@@ -1,0 +1,233 @@
+"""Running a replay grid (policies x capacities) and reporting it as a table or JSON.
+
+Every capacity gets one Belady MIN run on the same block access sequence, so
+each policy's row carries the optimum next to it and its gap in points:
+how much of the reachable hit ratio the policy leaves on the table.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier import __version__
+from kvtier.errors import ConfigError
+from kvtier.replay.capacity import Capacity
+from kvtier.replay.progress import ProgressBar
+from kvtier.replay.simulator import Model, RunResult, access_sequence, simulate, simulate_min
+from kvtier.replay.traces import Trace
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPoint:
+    """One resolved capacity: as typed, in blocks, and as a share of unique blocks."""
+
+    text: str
+    blocks: int
+    percent: float
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """Everything one ``kvtier replay`` measured."""
+
+    trace: Trace
+    model: Model
+    window: int
+    capacities: list[CapacityPoint]
+    policies: list[str]
+    results: list[RunResult] = field(default_factory=list)
+    #: MIN per capacity in blocks.
+    mins: dict[int, RunResult] = field(default_factory=dict)
+    #: (policy as given, capacity in blocks) -> its result.
+    cells: dict[tuple[str, int], RunResult] = field(default_factory=dict)
+    load_seconds: float = 0.0
+    elapsed_seconds: float = 0.0
+    block_accesses: int = 0
+
+    def gap_points(self, result: RunResult) -> float:
+        """MIN's block hit ratio minus the policy's, in percentage points."""
+        best = self.mins[result.capacity_blocks]
+        return 100.0 * (best.block_hit_ratio - result.block_hit_ratio)
+
+
+def resolve_capacities(trace: Trace, capacities: list[Capacity]) -> list[CapacityPoint]:
+    """Blocks for each capacity on this trace, in the order given, without repeats."""
+    out: list[CapacityPoint] = []
+    seen: set[int] = set()
+    unique = trace.unique_blocks
+    for cap in capacities:
+        blocks = cap.blocks(trace.block_size, unique)
+        if blocks in seen:
+            continue
+        seen.add(blocks)
+        out.append(CapacityPoint(cap.text, blocks, 100.0 * blocks / unique if unique else 0.0))
+    if not out:
+        raise ConfigError("give at least one capacity")
+    return out
+
+
+def run_replay(
+    trace: Trace,
+    policies: list[str],
+    capacities: list[Capacity],
+    *,
+    model: Model = "prefix",
+    window: int = 1,
+    progress: ProgressBar | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` for every policy at every capacity, plus MIN at each capacity."""
+    if not policies:
+        raise ConfigError("give at least one policy")
+    points = resolve_capacities(trace, capacities)
+    report = ReplayReport(trace, model, window, points, list(policies))
+    report.block_accesses = int(sum(access_sequence(trace, model)[1]))
+    start = time.perf_counter()
+    tick = progress.advance if progress is not None else None
+    for point in points:
+        report.mins[point.blocks] = simulate_min(trace, point.blocks, model)
+        for name in policies:
+            if progress is not None:
+                progress.set_label(f"{name} @ {point.blocks} blocks")
+            result = simulate(trace, name, point.blocks, model, window=window, tick=tick)
+            report.results.append(result)
+            report.cells[(name, point.blocks)] = result
+    report.elapsed_seconds = time.perf_counter() - start
+    return report
+
+
+def _row(report: ReplayReport, r: RunResult, point: CapacityPoint) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "policy": r.policy,
+        "capacity": point.text,
+        "capacity_blocks": r.capacity_blocks,
+        "capacity_tokens": r.capacity_blocks * report.trace.block_size,
+        "capacity_pct_unique": round(point.percent, 4),
+        "block_hit_ratio": round(r.block_hit_ratio, 6),
+        "prefix_hit_ratio": round(r.prefix_hit_ratio, 6),
+        "token_hit_ratio": round(r.token_hit_ratio, 6),
+        "block_hits": r.block_hits,
+        "block_accesses": r.block_accesses,
+        "cached_tokens": r.cached_tokens,
+        "prompt_tokens": r.prompt_tokens,
+        "evictions": r.evictions,
+        "cascade_evictions": r.cascade_evictions,
+        "requests": r.requests,
+        "skipped_requests": r.skipped_requests,
+        "skipped_outputs": r.skipped_outputs,
+        "seconds": round(r.seconds, 4),
+        "ops_per_s": round(r.ops_per_s, 1),
+    }
+    for key, value in r.extra.items():
+        row[key] = value
+    return row
+
+
+def to_json(report: ReplayReport) -> dict[str, Any]:
+    """The report as plain JSON-serialisable data."""
+    trace = report.trace
+    by_blocks = {p.blocks: p for p in report.capacities}
+    results = []
+    for r in report.results:
+        row = _row(report, r, by_blocks[r.capacity_blocks])
+        best = report.mins[r.capacity_blocks]
+        row["min_block_hit_ratio"] = round(best.block_hit_ratio, 6)
+        row["gap_to_min_points"] = round(report.gap_points(r), 4)
+        results.append(row)
+    return {
+        "kvtier": __version__,
+        "trace": {
+            "name": trace.name,
+            "format": trace.format,
+            "block_size": trace.block_size,
+            "requests": len(trace.requests),
+            "unique_blocks": trace.unique_blocks,
+            "prompt_tokens": trace.prompt_tokens,
+        },
+        "model": report.model,
+        "window": report.window,
+        "block_accesses": report.block_accesses,
+        "policies": report.policies,
+        "capacities": [
+            {"capacity": p.text, "blocks": p.blocks, "pct_unique": round(p.percent, 4)}
+            for p in report.capacities
+        ],
+        "results": results,
+        "min": [_row(report, report.mins[p.blocks], p) for p in report.capacities],
+        "load_seconds": round(report.load_seconds, 4),
+        "elapsed_seconds": round(report.elapsed_seconds, 4),
+    }
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_table(report: ReplayReport) -> str:
+    """A fixed-width table: one group per capacity, MIN first, then each policy."""
+    trace = report.trace
+    head = (
+        f"trace {trace.name}: {trace.format} format, {len(trace.requests)} requests, "
+        f"{report.block_accesses} block accesses, {trace.unique_blocks} unique blocks "
+        f"of {trace.block_size} tokens"
+    )
+    model = f"model {report.model}"
+    if report.model == "prefix":
+        model += f" (KVCacheManager, window {report.window})"
+    else:
+        model += " (every block access is a cache get)"
+    cols = (
+        ("policy", "<", 10), ("capacity", ">", 10), ("% uniq", ">", 7),
+        ("block hit", ">", 9), ("prefix hit", ">", 10), ("token hit", ">", 9),
+        ("MIN", ">", 7), ("gap", ">", 7), ("evictions", ">", 10), ("ops/s", ">", 8),
+    )
+    header = "  ".join(f"{name:{align}{width}}" for name, align, width in cols)
+    lines = [head, model, "", header, "-" * len(header)]
+
+    def fmt(values: tuple[str, ...]) -> str:
+        return "  ".join(
+            f"{v:{align}{width}}" for v, (_, align, width) in zip(values, cols, strict=True)
+        )
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.2f}%"
+
+    for point in report.capacities:
+        best = report.mins[point.blocks]
+        cap = (str(point.blocks), f"{point.percent:.2f}%")
+        lines.append(fmt((
+            "MIN*", *cap, pct(best.block_hit_ratio), pct(best.prefix_hit_ratio),
+            pct(best.token_hit_ratio), pct(best.block_hit_ratio), "-", str(best.evictions),
+            _si(best.ops_per_s),
+        )))
+        for r in report.results:
+            if r.capacity_blocks != point.blocks:
+                continue
+            lines.append(fmt((
+                r.policy, *cap, pct(r.block_hit_ratio), pct(r.prefix_hit_ratio),
+                pct(r.token_hit_ratio), pct(best.block_hit_ratio),
+                f"{report.gap_points(r):.2f}", str(r.evictions), _si(r.ops_per_s),
+            )))
+        lines.append("")
+    lines.append(
+        "MIN* = Belady's offline optimum with bypass on the same block accesses (an upper "
+        "bound on block hits); gap = MIN minus the policy, in points."
+    )
+    for point in report.capacities:
+        skipped = max(
+            (r.skipped_requests for r in report.results if r.capacity_blocks == point.blocks),
+            default=0,
+        )
+        if skipped:
+            lines.append(
+                f"At {point.blocks} blocks, {skipped} requests did not fit in the cache; "
+                "they count as misses."
+            )
+    lines.append(
+        f"loaded in {report.load_seconds:.2f}s, replayed in {report.elapsed_seconds:.2f}s"
+    )
+    return "\n".join(lines)

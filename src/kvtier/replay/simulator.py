@@ -1,0 +1,349 @@
+"""Replaying a trace through kvtier's own cache code, with payloads off.
+
+Two models, both driving the registered policy objects (never a second
+implementation of a policy):
+
+* ``prefix`` (what serving sees): every request goes through a real
+  :class:`~kvtier.manager.KVCacheManager` sized to the capacity: ``allocate``
+  with the request's block keys, then ``free``. With ``window`` > 1 up to that
+  many requests stay live (oldest freed first), so their blocks are pinned
+  while later requests allocate, as in a batch. Hits are what the manager
+  reports: the longest cached prefix. Only full prompt blocks are cached, as
+  in serving; a request that cannot fit even in an empty cache is skipped
+  (counted, its blocks counted as misses).
+* ``block`` (the block-level model of cache simulators such as libCacheSim):
+  every block of every request, in order, is one ``get`` on a cache of
+  ``capacity`` blocks: a resident key is a hit (``policy.access``); a missing
+  key asks ``policy.admit`` and, when admitted into a full cache,
+  ``policy.evict`` makes room before ``policy.insert``. No chains, no pins:
+  any block can hit, even after a miss earlier in the request.
+
+Hit ratios (each a total over the trace, not a mean of per-request ratios):
+
+* block hit ratio: block accesses whose key was cached at access time;
+* prefix hit ratio: blocks in each request's leading run of hits, over its
+  blocks. For the manager this is ``num_cached_tokens // block_size`` over
+  the prompt's full blocks;
+* token hit ratio: prompt tokens served from cache over prompt tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
+from kvtier.manager import Allocation, KVCacheManager
+from kvtier.policy.registry import make_policy
+from kvtier.replay.belady import belady_min
+from kvtier.replay.traces import Trace
+
+Model = Literal["prefix", "block"]
+MODELS: tuple[Model, ...] = ("prefix", "block")
+#: Called with the number of requests replayed since the last call.
+Tick = Callable[[int], None]
+_TICK_EVERY = 128
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Counters of one replay (one policy at one capacity)."""
+
+    policy: str
+    model: Model
+    capacity_blocks: int
+    requests: int = 0
+    skipped_requests: int = 0
+    #: Generated blocks the manager could not fit (prefix model, token traces).
+    skipped_outputs: int = 0
+    block_accesses: int = 0
+    block_hits: int = 0
+    prefix_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+    cascade_evictions: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.block_hits / self.block_accesses if self.block_accesses else 0.0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hit_blocks / self.prefix_blocks if self.prefix_blocks else 0.0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ops_per_s(self) -> float:
+        """Block accesses replayed per second of the simulation loop."""
+        return self.block_accesses / self.seconds if self.seconds > 0 else 0.0
+
+
+def check_capacity(capacity: int) -> None:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        raise ConfigError(f"capacity must be a positive number of blocks, got {capacity!r}")
+
+
+def access_sequence(trace: Trace, model: Model) -> tuple[list[int], bytearray, list[int]]:
+    """The model's block accesses, flattened: keys, read flags, and each request's read count.
+
+    Reads are the prompt's blocks (every id in the block model; full blocks in
+    the prefix model, which caches nothing else); writes are the blocks a
+    request's output fills, which are cached but never looked up by it.
+    """
+    bs = trace.block_size
+    keys: list[int] = []
+    reads = bytearray()
+    per_request: list[int] = []
+    for req in trace.requests:
+        prompt = req.keys if model == "block" else req.full_keys(bs)
+        keys.extend(prompt)
+        reads.extend(b"\x01" * len(prompt))
+        per_request.append(len(prompt))
+        if req.output_keys:
+            keys.extend(req.output_keys)
+            reads.extend(bytes(len(req.output_keys)))
+    return keys, reads, per_request
+
+
+def _prefix_counters(
+    trace: Trace, model: Model, result: RunResult, hits: bytearray, per_request: list[int]
+) -> None:
+    """Fill the prefix and token counters from per-access hit flags."""
+    bs = trace.block_size
+    pos = 0
+    for req, n_reads in zip(trace.requests, per_request, strict=True):
+        row = hits[pos : pos + n_reads]
+        lead = row.find(0)
+        if lead < 0:
+            lead = n_reads
+        n = req.input_length
+        if model == "prefix":
+            # The manager never reports the last prompt token cached (the
+            # engine needs one token to compute logits from).
+            lead = min(lead, (n - 1) // bs)
+            tokens = lead * bs
+        else:
+            tokens = min(lead * bs, n)
+        result.prefix_blocks += n_reads
+        result.prefix_hit_blocks += lead
+        result.prompt_tokens += n
+        result.cached_tokens += tokens
+        pos += n_reads + len(req.output_keys)
+
+
+def simulate_min(trace: Trace, capacity: int, model: Model = "block") -> RunResult:
+    """Belady's MIN with bypass over the model's block accesses (the upper bound)."""
+    check_capacity(capacity)
+    keys, reads, per_request = access_sequence(trace, model)
+    start = time.perf_counter()
+    found = belady_min(keys, capacity, reads)
+    seconds = time.perf_counter() - start
+    result = RunResult(
+        "MIN", model, capacity,
+        requests=len(trace.requests),
+        block_accesses=found.num_reads,
+        block_hits=found.num_hits,
+        evictions=found.evictions,
+        seconds=seconds,
+        extra={"bypasses": float(found.bypasses)},
+    )
+    _prefix_counters(trace, model, result, found.hits, per_request)
+    return result
+
+
+def simulate_block(
+    trace: Trace, policy_name: str, capacity: int, tick: Tick | None = None
+) -> RunResult:
+    """The block model: every block access is a cache ``get`` driving the policy directly."""
+    check_capacity(capacity)
+    policy = make_policy(policy_name)
+    policy.bind(capacity)
+    result = RunResult(getattr(policy, "name", policy_name), "block", capacity)
+    # The simulator owns residency, as the pool does in serving; the policy
+    # only orders keys and picks victims.
+    resident: set[int] = set()
+    access, admit, insert, evict = policy.access, policy.admit, policy.insert, policy.evict
+    bs = trace.block_size
+    hits = accesses = prefix_hits = cached_tokens = evictions = 0
+    since_tick = 0
+
+    def miss(key: int) -> int:
+        # Admission first, as libCacheSim does: a declined key evicts nothing.
+        if not admit(key):
+            return 0
+        dropped = 0
+        if len(resident) >= capacity:
+            victim = evict()
+            if victim is None:
+                raise InternalInvariantError(
+                    f"policy {policy_name!r} found no victim in a full cache of unpinned keys"
+                )
+            try:
+                resident.remove(victim)
+            except KeyError:
+                raise InternalInvariantError(
+                    f"policy {policy_name!r} evicted key {victim!r}, which is not resident"
+                ) from None
+            dropped = 1
+        insert(key, False)
+        resident.add(key)
+        return dropped
+
+    start = time.perf_counter()
+    for req in trace.requests:
+        keys = req.keys
+        lead = -1
+        for j, key in enumerate(keys):
+            if key in resident:
+                hits += 1
+                access(key)
+            else:
+                if lead < 0:
+                    lead = j
+                evictions += miss(key)
+        if lead < 0:
+            lead = len(keys)
+        accesses += len(keys)
+        prefix_hits += lead
+        cached_tokens += min(lead * bs, req.input_length)
+        for key in req.output_keys:
+            # Generated blocks are written, not looked up: no hit or miss counted.
+            if key in resident:
+                access(key)
+            else:
+                evictions += miss(key)
+        if tick is not None:
+            since_tick += 1
+            if since_tick >= _TICK_EVERY:
+                tick(since_tick)
+                since_tick = 0
+    result.seconds = time.perf_counter() - start
+    if tick is not None and since_tick:
+        tick(since_tick)
+    result.requests = len(trace.requests)
+    result.block_accesses = result.prefix_blocks = accesses
+    result.block_hits = hits
+    result.prefix_hit_blocks = prefix_hits
+    result.prompt_tokens = trace.prompt_tokens
+    result.cached_tokens = cached_tokens
+    result.evictions = evictions
+    return result
+
+
+def simulate_prefix(
+    trace: Trace,
+    policy_name: str,
+    capacity: int,
+    *,
+    window: int = 1,
+    tick: Tick | None = None,
+) -> RunResult:
+    """The prefix model: each request is allocated and freed on a real KVCacheManager."""
+    check_capacity(capacity)
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"window must be a positive number of live requests, got {window!r}")
+    bs = trace.block_size
+    manager = KVCacheManager(capacity, bs, policy=policy_name)
+    pool = manager.pool
+    cached_block = pool.cached_block
+    result = RunResult(manager.stats().policy, "prefix", capacity)
+    live: deque[int] = deque()
+    since_tick = 0
+
+    def make_room() -> bool:
+        """Free the oldest live request after an OutOfBlocksError; False if none is live."""
+        if not live:
+            return False
+        manager.free(live.popleft())
+        return True
+
+    start = time.perf_counter()
+    for rid, req in enumerate(trace.requests):
+        n = req.input_length
+        keys = req.full_keys(bs)
+        n_keys = len(keys)
+        # Blocks cached at access time, looked up before allocate changes anything:
+        # the prefix hits plus blocks after the first miss that are still cached.
+        resident = n_keys - list(map(cached_block, keys)).count(None)
+        # Token ids matter only for the partial tail when keys are given, so a
+        # Mooncake request (lengths and ids only) passes a range.
+        tokens: Sequence[int] = req.tokens if req.tokens is not None else range(n)
+        result.block_accesses += n_keys
+        result.prefix_blocks += n_keys
+        result.prompt_tokens += n
+        alloc: Allocation | None = None
+        while alloc is None:
+            try:
+                alloc = manager.allocate(rid, tokens, block_keys=keys)
+            except OutOfBlocksError:
+                if not make_room():
+                    break
+        if alloc is None:
+            # Larger than the whole cache: serving would reject it. Its blocks
+            # count as misses so every policy and MIN share one denominator.
+            result.skipped_requests += 1
+        else:
+            cached = alloc.num_cached_tokens
+            result.block_hits += resident
+            result.prefix_hit_blocks += cached // bs
+            result.cached_tokens += cached
+            if req.output_tokens is not None and len(req.output_tokens):
+                while True:
+                    try:
+                        manager.extend(rid, req.output_tokens, block_keys=req.output_keys)
+                        break
+                    except OutOfBlocksError:
+                        if not make_room():
+                            result.skipped_outputs += 1
+                            break
+            live.append(rid)
+            while len(live) >= window:
+                manager.free(live.popleft())
+        if tick is not None:
+            since_tick += 1
+            if since_tick >= _TICK_EVERY:
+                tick(since_tick)
+                since_tick = 0
+    while live:
+        manager.free(live.popleft())
+    result.seconds = time.perf_counter() - start
+    if tick is not None and since_tick:
+        tick(since_tick)
+    stats = manager.stats()
+    result.requests = len(trace.requests)
+    result.evictions = stats.evictions + stats.cascade_evictions
+    result.cascade_evictions = stats.cascade_evictions
+    result.extra = {
+        "duplicate_blocks": float(stats.duplicate_blocks),
+        "declined_blocks": float(stats.declined_blocks),
+    }
+    return result
+
+
+def simulate(
+    trace: Trace,
+    policy_name: str,
+    capacity: int,
+    model: Model = "prefix",
+    *,
+    window: int = 1,
+    tick: Tick | None = None,
+) -> RunResult:
+    """Replay ``trace`` under one policy and capacity in the chosen model."""
+    if model == "prefix":
+        return simulate_prefix(trace, policy_name, capacity, window=window, tick=tick)
+    if model == "block":
+        if window != 1:
+            raise ConfigError("--window applies to the prefix model only")
+        return simulate_block(trace, policy_name, capacity, tick=tick)
+    raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
