@@ -224,29 +224,9 @@ class PrefixIndex:
                         blocks.extend(entries[k].block_id for k in subtree)
                     self.drop_many(subtree, tier)
                     cascaded.extend(subtree)
-                if entry.children:  # children held only on other tiers: the general path
-                    if on_device:
-                        blocks.append(entry.block_id)
-                    self.drop_many((key,), tier)
-                    continue
-            # A leaf: inline the common case of drop_many.
             if on_device:
                 blocks.append(entry.block_id)
-                entry.block_id = -1
-            remaining = entry.tiers & ~tier
-            entry.tiers = remaining
-            if remaining:
-                continue
-            del entries[key]
-            parent = entry.parent
-            if parent is not None:
-                parent_entry = entries.get(parent)
-                if parent_entry is not None:
-                    children = parent_entry.children
-                    if children is not None:
-                        children.discard(key)
-                        if not children:
-                            parent_entry.children = None
+            self.drop_many((key,), tier)
         return blocks, cascaded
 
     def resident_subtree(self, key: int, tier: int) -> list[int]:

@@ -30,24 +30,18 @@ an O(n) rebuild; set ``pressure`` when it changes meaningfully, not per call.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvtier.errors import ConfigError, InternalInvariantError
-from kvtier.policy.base import PolicyBase
+from kvtier.errors import ConfigError
+from kvtier.policy.heap import HeapPolicy
 
 _UNBOUND_CAPACITY = 1024
-_SLACK = 64
 
 
-class HybridPolicy(PolicyBase):
-    """Evicts the unpinned resident key with the lowest hybrid score (see the module doc).
-
-    ``_heap`` holds ``(priority, seq, key)`` entries, valid while
-    ``_live[key] == seq``; hits and releases push fresh entries.
-    """
+class HybridPolicy(HeapPolicy):
+    """Evicts the unpinned resident key with the lowest hybrid score (see the module doc)."""
 
     name: ClassVar[str] = "hybrid"
 
@@ -70,7 +64,7 @@ class HybridPolicy(PolicyBase):
         if horizon is not None and horizon <= 0:
             raise ConfigError(f"horizon must be positive, got {horizon}")
         _check_pressure(pressure)
-        self.capacity = 0
+        super().__init__()
         self.recency_weight = recency_weight
         self.frequency_weight = frequency_weight
         self.size_weight = size_weight
@@ -82,12 +76,6 @@ class HybridPolicy(PolicyBase):
         self._size_scale = 1
         self._clock = 0
         self._last: dict[int, int] = {}
-        self._freq: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self._pinned: set[int] = set()
-        self._live: dict[int, int] = {}
-        self._heap: list[tuple[float, int, int]] = []
-        self._seq = 0
 
     # -- scoring ------------------------------------------------------------------
     @property
@@ -122,18 +110,12 @@ class HybridPolicy(PolicyBase):
     def _priority(self, key: int) -> float:
         return self.recency_weight * self._last[key] / self.horizon + self._static(key)
 
-    def _push(self, key: int) -> None:
-        seq = self._seq = self._seq + 1
-        self._live[key] = seq
-        heapq.heappush(self._heap, (self._priority(key), seq, key))
-        if len(self._heap) > 2 * len(self._live) + _SLACK:
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
+    def _forget(self, key: int) -> None:
+        super()._forget(key)
+        del self._last[key]
 
-    def _rebuild(self) -> None:
-        self._heap = [(self._priority(k), seq, k) for k, seq in self._live.items()]
-        heapq.heapify(self._heap)
+    def _on_unpin(self, key: int) -> None:
+        self._touch(key)  # a release is the last use
 
     def _touch(self, key: int) -> None:
         self._clock += 1
@@ -149,10 +131,7 @@ class HybridPolicy(PolicyBase):
         if size > self._size_scale:
             self._size_scale = 1 << (size - 1).bit_length()
             self._rebuild()
-        if pinned:
-            self._pinned.add(key)
-        else:
-            self._push(key)
+        self._admit_resident(key, pinned)
 
     def insert_many(
         self, keys: Sequence[int], pinned: bool = False, *, sizes: Sequence[int] | None = None
@@ -174,46 +153,6 @@ class HybridPolicy(PolicyBase):
         self._touch(key)
         if key in self._live:
             self._push(key)
-
-    def pin(self, key: int) -> None:
-        if self._live.pop(key, None) is None:
-            raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
-        self._pinned.add(key)
-
-    def unpin(self, key: int) -> None:
-        try:
-            self._pinned.remove(key)
-        except KeyError:
-            raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned") from None
-        self._touch(key)  # a release is the last use
-        self._push(key)
-
-    def remove(self, key: int) -> None:
-        if self._freq.pop(key, None) is None:
-            return
-        del self._size[key], self._last[key]
-        if self._live.pop(key, None) is None:
-            self._pinned.discard(key)
-
-    def evict(self) -> int | None:
-        heap = self._heap
-        live = self._live
-        while heap:
-            _, seq, key = heapq.heappop(heap)
-            if live.get(key) == seq:
-                del live[key], self._freq[key], self._size[key], self._last[key]
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._live)
 
 
 def _check_pressure(value: float) -> None:
