@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 VLLM_VERSION ?= 0.33.0
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
-COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py
+COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py
 
 .PHONY: run test test-compiled test-pure lint typecheck bench venv peers clean
 

@@ -1,6 +1,6 @@
 """Build hook: compile kvtier's hot-path modules with mypyc when possible.
 
-The block pool, the manager, block tables and the LRU policy run once per
+The block pool, the manager, block tables and the LRU and ARC policies run once per
 block of every request; compiled by mypyc (from the same typed source) they
 run about 1.5-2x faster. Set KVTIER_PURE_PYTHON=1 to skip compilation; a
 machine without a C compiler falls back to pure Python on its own.
@@ -18,6 +18,7 @@ COMPILED = [
     "src/kvtier/manager.py",
     "src/kvtier/block_table.py",
     "src/kvtier/policy/lru.py",
+    "src/kvtier/policy/arc.py",
 ]
 
 

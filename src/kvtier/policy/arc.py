@@ -16,10 +16,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ARCPolicy(PolicyBase):
     """ARC over unpinned resident keys.
 
@@ -55,8 +58,11 @@ class ARCPolicy(PolicyBase):
         return self.capacity or max(1, len(self))
 
     def _trim_ghosts(self) -> None:
-        c = self._c()
         b1, b2 = self._b1, self._b2
+        n_b1 = len(b1)
+        c = self.capacity or max(1, len(self))
+        if n_b1 + len(b2) <= c and len(self._t1) + self._t1_pinned + n_b1 <= c:
+            return  # the common case: both bounds hold
         t1 = len(self._t1) + self._t1_pinned
         while b1 and t1 + len(b1) > c:
             b1.popitem(last=False)
