@@ -14,6 +14,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+#: The repository root, and ``shared/`` beside it (or inside it, for a checkout that has one).
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO / "shared" if (REPO / "shared").is_dir() else REPO.parent / "shared"
+CONVERSATION_TRACE = SHARED / "traces" / "mooncake_conversation_dev.jsonl"
+
 
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence of numbers."""

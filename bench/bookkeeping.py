@@ -72,6 +72,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 from _common import (
+    CONVERSATION_TRACE,
+    REPO,
     format_markdown_table,
     format_table,
     git_state,
@@ -83,9 +85,7 @@ from _common import (
 
 from kvtier import KVCacheManager
 
-REPO = Path(__file__).resolve().parent.parent
-_SHARED = REPO / "shared" if (REPO / "shared").is_dir() else REPO.parent / "shared"
-DEFAULT_TRACE = _SHARED / "traces" / "mooncake_conversation_dev.jsonl"
+DEFAULT_TRACE = CONVERSATION_TRACE
 DEFAULT_JSON = REPO / "bench" / "results" / "bookkeeping.json"
 #: SmolLM2's vocabulary size; token ids are drawn below it.
 VOCAB = 49152

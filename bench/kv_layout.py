@@ -53,13 +53,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import format_markdown_table, format_table, git_state, machine_info, median, write_json
+from _common import (
+    REPO,
+    format_markdown_table,
+    format_table,
+    git_state,
+    machine_info,
+    median,
+    write_json,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from kvtier.layout import KVLayout  # noqa: E402
-from kvtier.storage import KVBlockStorage  # noqa: E402
+from kvtier.layout import KVLayout
+from kvtier.storage import KVBlockStorage
 
 DEFAULT_JSON = REPO / "bench" / "results" / "kv_layout.json"
 #: SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64.

@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 from _common import (
+    CONVERSATION_TRACE,
+    REPO,
     format_markdown_table,
     format_table,
     git_state,
@@ -72,9 +74,7 @@ from _common import (
 from kvtier.policy import make_policy
 from kvtier.replay import Trace, load_trace, parse_capacity, simulate_block, simulate_min
 
-REPO = Path(__file__).resolve().parent.parent
-_SHARED = REPO / "shared" if (REPO / "shared").is_dir() else REPO.parent / "shared"
-DEFAULT_TRACE = _SHARED / "traces" / "mooncake_conversation_dev.jsonl"
+DEFAULT_TRACE = CONVERSATION_TRACE
 DEFAULT_JSON = REPO / "bench" / "results" / "policies.json"
 DEFAULT_CAPACITIES = (1.0, 5.0, 10.0)
 QUICK_LIMIT = 1500
