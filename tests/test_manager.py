@@ -9,6 +9,7 @@ from kvtier import (
     BadRequestError,
     ConfigError,
     DuplicateRequestError,
+    InternalInvariantError,
     KVCacheManager,
     Namespace,
     OutOfBlocksError,
@@ -272,3 +273,48 @@ def test_extend_with_precomputed_keys_matches_internal_hashing() -> None:
     with pytest.raises(BadRequestError, match="negative"):
         m.extend("b", [-1], block_keys=[])
     m.check()
+
+
+def test_abort_withdraws_blocks_past_the_computed_tokens() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", [1, 2, 3, 4, 5, 6, 7])  # publishes three full blocks
+    assert m.abort("a", 3) == 2  # the block of tokens 0-1 was computed; 2-3 and 4-5 were not
+    m.check()
+    alloc = m.allocate("b", [1, 2, 3, 4, 5, 6, 7])
+    assert alloc.num_cached_tokens == 2
+    m.free("b")
+    assert m.pool.num_used == 0
+
+
+def test_abort_keeps_hits_and_other_requests_copies() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.free("a")
+    alloc = m.allocate("b", [1, 2, 3, 4, 9, 9, 1])
+    assert alloc.num_cached_tokens == 4
+    assert m.abort("b", alloc.num_cached_tokens) == 1  # only its own block [9, 9]
+    assert m.allocate("c", [1, 2, 3, 4, 9, 9, 1]).num_cached_tokens == 4
+    m.check()
+
+
+def test_abort_rejects_bad_counts_and_changes_nothing() -> None:
+    m = KVCacheManager(4, 2)
+    m.allocate("a", [1, 2, 3])
+    before = snapshot(m)
+    for bad in (-1, 4):
+        with pytest.raises(BadRequestError):
+            m.abort("a", bad)
+    assert snapshot(m) == before
+    with pytest.raises(UnknownRequestError):
+        m.abort("nope", 0)
+
+
+def test_withdraw_refuses_when_a_held_descendant_would_be_stranded() -> None:
+    m = KVCacheManager(8, 2)
+    m.allocate("a", [1, 2, 3, 4])
+    m.allocate("b", [1, 2, 3, 4, 5, 6, 7])  # b hangs its own block under a's
+    before = snapshot(m)
+    block = m.block_table("a").blocks[0]
+    with pytest.raises(InternalInvariantError, match="held by a request"):
+        m.pool.withdraw([block])
+    assert snapshot(m) == before

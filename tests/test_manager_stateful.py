@@ -35,6 +35,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.memory: dict[int, int] = {}
         self.expected: dict[int, list[int]] = {}
         self.next_id = 0
+        #: (request, start, end) of the latest allocate/extend: the forward
+        #: pass an engine would run next, which ``abort`` makes fail.
+        self.last_pass: tuple[int, int, int] | None = None
 
     @rule(num_blocks=st.integers(1, 10), block_size=st.sampled_from([1, 2, 3, 4]))
     def configure(self, num_blocks: int, block_size: int) -> None:
@@ -78,6 +81,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.memory.get(alloc.block_table.slot(pos)) == toks[pos]
         self.expected[rid] = list(toks)
         self._write(rid, alloc.num_cached_tokens)
+        self.last_pass = (rid, alloc.num_cached_tokens, len(toks))
         return rid
 
     @rule(rid=requests, toks=token_lists, precomputed=st.booleans())
@@ -103,6 +107,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.memory[dst * bs + off] = self.memory[src * bs + off]
         self.expected[rid].extend(toks)
         self._write(rid, start)
+        self.last_pass = (rid, start, len(self.expected[rid]))
 
     @rule(target=requests, rid=requests)
     def fork(self, rid: int) -> int:
@@ -112,13 +117,33 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self._manager().fork(rid, new)
         self.expected[new] = list(self.expected[rid])
+        self.last_pass = None
         return new
+
+    @rule(data=st.data())
+    def abort_failed_pass(self, data: st.DataObject) -> None:
+        """The latest pass failed after writing its first tokens: garbage past them."""
+        if self.last_pass is None:
+            return
+        rid, start, end = self.last_pass
+        self.last_pass = None
+        if rid not in self.expected:
+            return
+        m = self._manager()
+        computed = data.draw(st.integers(start, end), label="computed")
+        table = m.block_table(rid)
+        for pos in range(computed, end):
+            self.memory[table.slot(pos)] = -1
+        m.abort(rid, computed)
+        del self.expected[rid]
 
     @rule(rid=consumes(requests))
     def free(self, rid: int) -> None:
         if rid in self.expected:
             self._manager().free(rid)
             del self.expected[rid]
+            if self.last_pass is not None and self.last_pass[0] == rid:
+                self.last_pass = None
 
     @rule(n=st.integers(0, 4))
     def gc(self, n: int) -> None:

@@ -3,6 +3,12 @@
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
 prefix index, the device block pool, eviction and admission policies, the
 request-level :class:`KVCacheManager`, and trace replay (:mod:`kvtier.replay`).
+
+The parts that need PyTorch and transformers load on first use, so ``import
+kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
+``kvtier.KvTierCache``, ``kvtier.Engine``, ``kvtier.EngineWorker``,
+``kvtier.SamplingParams`` (:mod:`kvtier.engine`) and ``kvtier.create_app``
+(:mod:`kvtier.server`).
 """
 
 from kvtier.block_table import BlockTable, blocks_needed
@@ -109,3 +115,28 @@ __all__ = [
     "make_policy",
     "register_policy",
 ]
+
+#: Re-exports that import torch (and transformers, fastapi) when first used.
+_LAZY = {
+    "KVBlockStorage": "kvtier.storage",
+    "KvTierCache": "kvtier.engine",
+    "Engine": "kvtier.engine",
+    "EngineWorker": "kvtier.engine",
+    "SamplingParams": "kvtier.engine",
+    "create_app": "kvtier.server",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

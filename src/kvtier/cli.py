@@ -1,15 +1,18 @@
-"""The ``kvtier`` command line: ``kvtier info`` and ``kvtier replay``."""
+"""The ``kvtier`` command line: ``kvtier info``, ``kvtier replay`` and ``kvtier serve``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import platform
+import re
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier import __version__
 from kvtier.errors import ConfigError, KvTierError
@@ -223,6 +226,327 @@ def _add_replay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     replay.set_defaults(func=_replay)
 
 
+_SERVE_EPILOG = """\
+The server speaks OpenAI's API: point any OpenAI client at http://HOST:PORT/v1
+(the API key is not checked). Besides /v1/chat/completions, /v1/completions and
+/v1/models it serves /health, /metrics (Prometheus) and /v1/cache/stats (JSON:
+prefix-cache hits, KV blocks, evictions).
+
+The KV cache holds --kv-cache-memory worth of blocks of --block-size tokens
+(or exactly --num-blocks); finished requests' blocks stay cached and later
+requests sharing a prefix reuse them. Nothing is ever downloaded: --model is
+a local Hugging Face model directory or a .gguf file.
+
+examples:
+  kvtier serve
+  kvtier serve --port 9000 --kv-cache-memory 1GiB --policy arc
+  kvtier serve --model ./Qwen2.5-0.5B-Instruct --served-model-name qwen --dtype bfloat16
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kb": 10**3, "kib": 2**10,
+    "m": 2**20, "mb": 10**6, "mib": 2**20,
+    "g": 2**30, "gb": 10**9, "gib": 2**30,
+    "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in ``512MiB``, ``1GiB``, ``1.5G``, ``800MB`` or ``1048576``; ConfigError otherwise.
+
+    KiB/MiB/GiB/TiB (and the bare K/M/G/T) are powers of 1024, KB/MB/GB/TB powers of 1000.
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise ConfigError(
+            f"cannot parse memory size {text!r}: use a number of bytes with an optional unit, "
+            "e.g. 512MiB, 1GiB, 1.5G, 800MB"
+        )
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"memory size {text!r} must be at least 1 byte")
+    return value
+
+
+def _arg(parse: Callable[[str], object], what: str) -> Callable[[str], object]:
+    """An argparse ``type`` that turns a ConfigError (or ValueError) into a usage error."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except (ConfigError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = what
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"expected a port number in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"expected a port number in [0, 65535], got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 2.0:
+        raise ConfigError(f"expected a temperature in [0, 2], got {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"expected a top_p in (0, 1], got {text!r}")
+    return value
+
+
+def _policy_name(text: str) -> str:
+    make_policy(text)  # raises ConfigError for an unknown name or import path
+    return text
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on ``host:port`` (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ConfigError(f"--host {host!r} cannot be resolved: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+            "(is another server using the port? pick another with --port)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _client_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
+        raise ConfigError(
+            f"--model {args.model!r} does not exist: pass a local Hugging Face model directory "
+            "or a .gguf file (models are never downloaded), or leave --model out to serve the "
+            "bundled SmolLM2-135M-Instruct"
+        )
+    # Imported here so the other commands (and --help) do not load torch or fastapi.
+    import logging
+
+    try:
+        import torch
+        import uvicorn
+
+        from kvtier.engine import DEFAULT_MODEL_ID, Engine, EngineWorker
+        from kvtier.server import create_app
+    except ImportError as exc:
+        raise ConfigError(
+            f"kvtier serve needs the torch and serve extras ({exc.name} is missing): "
+            "pip install 'kvtier[torch,serve]'"
+        ) from None
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"--device {args.device!r} is not a torch device: use cpu, cuda, cuda:1, mps, ..."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {args.device}: MPS is not available on this machine")
+
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
+    sock = _bind(args.host, args.port)
+    try:
+        what = args.model or f"{DEFAULT_MODEL_ID} (the bundled default)"
+        print(f"kvtier: loading {what} ({args.dtype}, {args.device}) ...", flush=True)
+        started = time.perf_counter()
+        engine = Engine.from_pretrained(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_bytes=args.kv_cache_memory,
+            policy=args.policy,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            prefix_caching=not args.no_prefix_caching,
+        )
+        if args.default_temperature is not None:
+            engine.sampling_defaults["temperature"] = args.default_temperature
+        if args.default_top_p is not None:
+            engine.sampling_defaults["top_p"] = args.default_top_p
+        name = args.served_model_name or engine.model_id
+        stats = engine.manager.stats()
+        layout = engine.layout
+        print(
+            f"kvtier: loaded {engine.model_id} in {time.perf_counter() - started:.1f}s; "
+            f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
+            f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB, {layout.dtype}), "
+            f"policy {stats.policy}, prefix caching {'on' if engine.prefix_caching else 'off'}, "
+            f"max_model_len {engine.max_model_len}",
+            flush=True,
+        )
+        d = engine.sampling_defaults
+        print(
+            "kvtier: requests without temperature/top_p get "
+            f"temperature {d.get('temperature', 1.0)}, top_p {d.get('top_p', 1.0)}",
+            flush=True,
+        )
+        worker = EngineWorker(engine).start()
+        try:
+            app = create_app(worker, served_model_name=name)
+            config = uvicorn.Config(
+                app,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=5,
+            )
+            server = uvicorn.Server(config)
+            # Listen now, so a client told the address below is queued, never refused.
+            sock.listen(config.backlog)
+            url = _client_url(args.host, sock.getsockname()[1])
+            print(
+                f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
+                f"try: curl {url}/v1/models)",
+                flush=True,
+            )
+            # uvicorn re-raises Ctrl-C once its graceful shutdown is done.
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run(sockets=[sock])
+            print("kvtier: server stopped", flush=True)
+        finally:
+            worker.stop()
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        sock.close()
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible HTTP API, KV cache managed by kvtier",
+        description="Serve a causal language model behind an OpenAI-compatible API "
+        "(chat completions, completions, streaming), generating through kvtier's KV-cache "
+        "manager with prefix caching. Default model: SmolLM2-135M-Instruct, bundled offline.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--model", metavar="PATH",
+        help="a local Hugging Face model directory or .gguf file "
+        "(default: the bundled SmolLM2-135M-Instruct GGUF)",
+    )
+    serve.add_argument(
+        "--served-model-name", metavar="NAME",
+        help="the model name clients send and /v1/models lists "
+        "(default: the model's name, e.g. SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port", type=_arg(_port, "port"), default=8000,
+        help="port to listen on; 0 picks a free one (default 8000)",
+    )
+    serve.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="model and KV cache dtype (default float32)",
+    )
+    serve.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)"
+    )
+    serve.add_argument(
+        "--block-size", type=_arg(_positive_int, "block size"), default=16, metavar="TOKENS",
+        help="tokens per KV block (default 16)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory", type=_arg(parse_memory_size, "memory size"), default=512 * 2**20,
+        metavar="SIZE",
+        help="memory for KV blocks: 512MiB, 1GiB, 1.5G, 800MB, or bytes (default 512MiB)",
+    )
+    serve.add_argument(
+        "--num-blocks", type=_arg(_positive_int, "block count"), metavar="N",
+        help="exact number of KV blocks (overrides --kv-cache-memory)",
+    )
+    serve.add_argument(
+        "--policy", type=_arg(_policy_name, "policy"), default="lru", metavar="P",
+        help=f"eviction policy for cached blocks ({', '.join(available_policies())}, "
+        "or an import path pkg.mod:Class; default lru)",
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=_arg(_positive_int, "request count"), default=4, metavar="N",
+        help="requests generating at once; more wait in a queue (default 4)",
+    )
+    serve.add_argument(
+        "--max-model-len", type=_arg(_positive_int, "token count"), metavar="TOKENS",
+        help="longest prompt + completion, in tokens (default: the model's context, "
+        "capped by the KV cache)",
+    )
+    serve.add_argument(
+        "--default-temperature", type=_arg(_temperature, "temperature"), metavar="T",
+        help="temperature for requests that send none (default: the model's recommendation, "
+        "0.2 for the bundled SmolLM2; else OpenAI's 1.0)",
+    )
+    serve.add_argument(
+        "--default-top-p", type=_arg(_top_p, "top_p"), metavar="P",
+        help="top_p for requests that send none (default: the model's recommendation, "
+        "0.9 for the bundled SmolLM2; else 1.0)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="keep every request's KV blocks private (no reuse across requests)",
+    )
+    serve.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+        help="server log level (default info)",
+    )
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier",
@@ -235,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_info)
     _add_replay(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -18,7 +18,15 @@ class ConfigError(KvTierError, ValueError):
 
 
 class BadRequestError(KvTierError, ValueError):
-    """A request's input is invalid: empty or negative token ids, bad keys."""
+    """A request's input is invalid: empty or negative token ids, bad keys.
+
+    ``param`` names the offending request field, when there is one (the
+    server reports it in OpenAI-style error bodies).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(KvTierError, LookupError):

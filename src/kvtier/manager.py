@@ -441,6 +441,40 @@ class KVCacheManager:
         self.pool.release(req.held_blocks())
         self._after_growth()
 
+    def abort(self, request_id: RequestId, num_computed_tokens: int) -> int:
+        """End a request whose KV was written only for its first ``num_computed_tokens`` tokens.
+
+        Blocks are published when their tokens are allocated, before the
+        forward pass fills them; after a failed pass this withdraws every
+        block the request published past its computed tokens (so they can
+        never be hit with garbage in them), then frees the request like
+        :meth:`free`. The computed blocks stay cached. Returns how many blocks
+        were withdrawn.
+        """
+        req = self._get(request_id)
+        if (
+            not isinstance(num_computed_tokens, int)
+            or num_computed_tokens < 0
+            or num_computed_tokens > req.table.num_tokens
+        ):
+            raise BadRequestError(
+                f"num_computed_tokens must be an integer in [0, {req.table.num_tokens}], "
+                f"got {num_computed_tokens!r}"
+            )
+        blocks = req.table.blocks
+        block_key = self.pool.block_key
+        bad: list[int] = []
+        for i in range(num_computed_tokens // self.block_size, len(req.keys)):
+            b = blocks[i]
+            # A shadowed position's cached copy belongs to another request.
+            if i not in req.shadow and block_key[b] == req.keys[i]:
+                bad.append(b)
+        withdrawn = self.pool.withdraw(bad)
+        del self._requests[request_id]
+        self.pool.release(req.held_blocks())
+        self._after_growth()
+        return withdrawn
+
     def fork(self, src_id: RequestId, dst_id: RequestId) -> BlockTable:
         """Start ``dst_id`` as a copy of ``src_id`` sharing every block (copy-on-write)."""
         src = self._get(src_id)

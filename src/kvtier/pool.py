@@ -303,6 +303,46 @@ class BlockPool:
         """Evict every cached block that no request holds; returns how many."""
         return self.evict(self.num_blocks)
 
+    def withdraw(self, blocks: Sequence[int]) -> int:
+        """Unpublish cached ``blocks`` whose payload is not valid; returns how many.
+
+        An engine whose forward pass failed withdraws the blocks it published
+        for tokens it never computed, so no later request can hit them. The
+        blocks stay allocated to their holders (now private); cached
+        descendants that nobody holds are evicted with them. Raises, changing
+        nothing, if a descendant outside ``blocks`` is held by a request.
+        """
+        block_key = self.block_key
+        targets = [b for b in blocks if block_key[b] is not None]
+        if not targets:
+            return 0
+        inside = set(targets)
+        ref = self.ref
+        stack: list[int] = []
+        for b in targets:
+            stack.extend(c for c in self.children_of(b) if c not in inside)
+        while stack:
+            c = stack.pop()
+            if ref[c]:
+                raise InternalInvariantError(
+                    f"cannot withdraw: cached descendant block {c} is held by a request"
+                )
+            stack.extend(self.children_of(c))
+        remove = self.policy.remove
+        cached = self._cached
+        for b in reversed(targets):
+            if self.first_child[b] >= 0:
+                self._evict_subtree(b)
+            key = block_key[b]
+            assert key is not None
+            remove(key)
+            del cached[key]
+            block_key[b] = None
+            self._unlink(b)
+            if not ref[b]:
+                self._free.append(b)
+        return len(targets)
+
     # -- committing -----------------------------------------------------------
     def commit(self, block: int, key: int, parent: int | None) -> int:
         """Publish a full private ``block`` under ``key``; see :meth:`commit_chain`."""

@@ -1,0 +1,287 @@
+"""Time to first token with a cached 2,048-token prefix, on the real model.
+
+The workload: one shared prefix of exactly 2,048 tokens (a system prompt and
+a document, in SmolLM2's chat format) followed by different questions of
+exactly 64 tokens each; every request generates one token. Systems, all in
+one process on the same model weights:
+
+* ``kvtier, prefix cached``: the reference engine with the prefix's blocks
+  already cached (a warm-up request put them there); each question reuses the
+  2,048 cached tokens and computes its 64.
+* ``kvtier, recompute``: the same engine with prefix caching off: all 2,112
+  tokens computed for every question.
+* ``HF generate, copied DynamicCache``: plain transformers, the
+  HF-recommended way to reuse a prefix: a ``DynamicCache`` of the prefix is
+  computed once; each question ``copy.deepcopy``-s it and calls
+  ``model.generate(full_ids, past_key_values=copy, max_new_tokens=1)``.
+* ``HF forward, no cache``: one forward pass over all 2,112 tokens.
+* ``floor: suffix forward``: the pure compute of the 64-token suffix given a
+  ready ``DynamicCache`` of the prefix (copied outside the timer): the least
+  any prefix-caching system can take.
+
+TTFT is wall time from handing the request over to having the first token
+(for the engine: ``RequestMetrics.ttft``, arrival to first token; queueing is
+nil here). Systems alternate per question, in an order rotated per repeat;
+the table reports medians over ``--questions`` x ``--repeat`` samples.
+Every sample uses a question of its own, never seen by the cache; after
+each, outside the timings, the cached-prefix engine's first token is checked
+to equal the greedy token of a full forward, with exactly 2,048 tokens reused.
+
+Run ``python bench/ttft.py --help``; ``--quick`` is a short smoke run.
+Results go to ``bench/results/ttft.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import (
+    REPO,
+    format_markdown_table,
+    format_table,
+    git_state,
+    machine_info,
+    median,
+    package_version,
+    write_json,
+)
+from transformers import DynamicCache
+
+from kvtier.engine import Engine, SamplingParams
+from kvtier.engine.model import load_model
+
+PREFIX_TOKENS = 2048
+QUESTION_TOKENS = 64
+
+SYSTEM = (
+    "You are a careful assistant. Answer questions about the document below using only "
+    "what it says, and say so when the document does not answer the question."
+)
+TOPICS = [
+    "how blocks are keyed",
+    "what happens when the pool is full",
+    "which eviction policies exist",
+    "how copy-on-write works for forks",
+    "what the replay simulator measures",
+    "how the offload tiers are ordered",
+    "what a pressure callback is told",
+    "why the last prompt token is never cached",
+    "how prefix chains are kept consistent",
+    "what the block layout on the device is",
+    "how admission control works",
+    "what the benchmarks compare against",
+]
+
+
+def _document_text() -> str:
+    parts = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        parts.append(path.read_text(encoding="utf-8"))
+    return "\n\n".join(parts)
+
+
+def _exact(tokenizer: Any, text: str, n: int, filler: str) -> list[int]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    pad = list(tokenizer.encode(filler, add_special_tokens=False))
+    while len(ids) < n:
+        ids.extend(pad)
+    return ids[:n]
+
+
+def build_prompts(tokenizer: Any, n_questions: int) -> tuple[list[int], list[list[int]]]:
+    """The 2,048-token prefix and ``n_questions`` distinct 64-token suffixes."""
+    head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nDocument:\n"
+    prefix = _exact(tokenizer, head + _document_text(), PREFIX_TOKENS, " more text")
+    tail = list(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+    questions = []
+    for i in range(n_questions):
+        topic = TOPICS[i % len(TOPICS)]
+        text = (
+            f"\n\nQuestion {i + 1}: according to the document, {topic}? "
+            "Answer in one short paragraph and cite the section you used."
+        )
+        body = _exact(tokenizer, text, QUESTION_TOKENS - len(tail), " Please be precise.")
+        questions.append(body + tail)
+    return prefix, questions
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="local HF directory or .gguf (default: SmolLM2)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--questions", type=int, default=8, help="distinct questions (default 8)")
+    ap.add_argument("--repeat", type=int, default=2, help="passes over the questions (default 2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 3 questions, 1 pass")
+    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ttft.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.questions, args.repeat = 3, 1
+    if args.questions < 1 or args.repeat < 1:
+        ap.error("--questions and --repeat must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print("loading the model ...", file=sys.stderr)
+    loaded = load_model(args.model, dtype=args.dtype)
+    model, tok = loaded.model, loaded.tokenizer
+    # Every sample gets a question of its own, plus one to warm up with.
+    prefix, questions = build_prompts(tok, args.questions * args.repeat + 1)
+    bs = 16
+    need_blocks = (PREFIX_TOKENS + QUESTION_TOKENS) // bs * 4
+    cached = Engine(model, tok, model_id=loaded.model_id, block_size=bs, num_blocks=need_blocks)
+    nocache = Engine(
+        model,
+        tok,
+        model_id=loaded.model_id,
+        block_size=bs,
+        num_blocks=need_blocks,
+        prefix_caching=False,
+    )
+    one = SamplingParams(max_tokens=1, temperature=0)
+
+    def engine_ttft(engine: Engine, ids: list[int]) -> tuple[float, int, int]:
+        outs = list(engine.generate(ids, one))
+        m = outs[-1].metrics
+        assert m.ttft is not None
+        return m.ttft, outs[-1].token_ids[0], m.cached_tokens
+
+    with torch.no_grad():
+        prefix_t = torch.tensor([prefix])
+        ready = DynamicCache(config=model.config)
+        model(prefix_t, past_key_values=ready, use_cache=True, logits_to_keep=1)
+
+        # Warm up every path once (and put the prefix in kvtier's cache) with
+        # a question of its own: every timed question is new to the cache.
+        warm = questions.pop()
+        engine_ttft(cached, prefix + warm)
+        engine_ttft(nocache, prefix + warm)
+        seen: dict[int, tuple[int, int]] = {}
+
+        def kv_cached(q: list[int]) -> float:
+            ttft, token, hit = engine_ttft(cached, prefix + q)
+            seen[id(q)] = (token, hit)
+            return ttft
+
+        def kv_recompute(q: list[int]) -> float:
+            return engine_ttft(nocache, prefix + q)[0]
+
+        def hf_generate(q: list[int]) -> float:
+            ids = torch.tensor([prefix + q])
+            t0 = time.perf_counter()
+            c = copy.deepcopy(ready)
+            model.generate(
+                ids,
+                past_key_values=c,
+                max_new_tokens=1,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+            )
+            return time.perf_counter() - t0
+
+        def hf_full(q: list[int]) -> float:
+            ids = torch.tensor([prefix + q])
+            t0 = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            return time.perf_counter() - t0
+
+        def floor(q: list[int]) -> float:
+            c = copy.deepcopy(ready)
+            ids = torch.tensor([q])
+            t0 = time.perf_counter()
+            model(ids, past_key_values=c, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - t0
+
+        systems: dict[str, Callable[[list[int]], float]] = {
+            "kvtier, prefix cached": kv_cached,
+            "kvtier, recompute": kv_recompute,
+            "HF generate, copied DynamicCache": hf_generate,
+            "HF forward, no cache": hf_full,
+            "floor: suffix forward": floor,
+        }
+        names = list(systems)
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        total = args.repeat * args.questions
+        done = 0
+        for r in range(args.repeat):
+            for i in range(args.questions):
+                q = questions[r * args.questions + i]
+                k = (r + i) % len(names)
+                for name in names[k:] + names[:k]:
+                    samples[name].append(systems[name](q))
+                # Outside the timings: the cached path must match a full forward.
+                logits = model(torch.tensor([prefix + q]), logits_to_keep=1).logits
+                want = int(logits[0, -1].argmax())
+                token, hit = seen[id(q)]
+                if token != want or hit != PREFIX_TOKENS:
+                    raise SystemExit(
+                        f"check failed: the cached engine gave token {token} with {hit} cached "
+                        f"tokens; a full forward gives {want} (expected {PREFIX_TOKENS} cached)"
+                    )
+                done += 1
+                print(f"\r  {done}/{total} questions", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+
+    med = {n: median(v) for n, v in samples.items()}
+    base = med["kvtier, prefix cached"]
+    fl = med["floor: suffix forward"]
+    headers = ["system", "TTFT ms (median)", "min ms", "vs kvtier cached", "vs floor"]
+    rows = [
+        [
+            n,
+            f"{med[n] * 1e3:.1f}",
+            f"{min(samples[n]) * 1e3:.1f}",
+            f"{med[n] / base:.2f}x",
+            f"{med[n] / fl:.2f}x",
+        ]
+        for n in names
+    ]
+    print(
+        f"\nTTFT, {PREFIX_TOKENS}-token cached prefix + {QUESTION_TOKENS}-token question, "
+        f"{loaded.model_id} ({args.dtype}), torch threads {torch.get_num_threads()}"
+    )
+    print(format_table(headers, rows))
+    speedup = med["kvtier, recompute"] / base
+    print(
+        f"\ncached-prefix speedup over recompute: {speedup:.1f}x (target >= 15x); "
+        f"cached / floor: {base / fl:.2f}x (target <= 1.3x)"
+    )
+    if args.markdown:
+        print()
+        print(format_markdown_table(headers, rows))
+    write_json(
+        args.out,
+        {
+            "benchmark": "ttft",
+            "model": loaded.model_id,
+            "dtype": args.dtype,
+            "prefix_tokens": PREFIX_TOKENS,
+            "question_tokens": QUESTION_TOKENS,
+            "questions": args.questions,
+            "repeat": args.repeat,
+            "torch_threads": torch.get_num_threads(),
+            "samples_s": samples,
+            "median_s": med,
+            "speedup_vs_recompute": speedup,
+            "cached_over_floor": base / fl,
+            "machine": machine_info(),
+            "git": git_state(REPO),
+            "versions": {p: package_version(p) for p in ("torch", "transformers", "kvtier")},
+        },
+    )
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

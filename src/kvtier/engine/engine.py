@@ -1,0 +1,514 @@
+"""The reference engine: a Hugging Face causal LM generating through kvtier blocks.
+
+:class:`Engine` owns a model, its tokenizer, a :class:`~kvtier.KVCacheManager`
+and the :class:`~kvtier.storage.KVBlockStorage` behind it. Requests are added
+with :meth:`Engine.add_request` and advanced by :meth:`Engine.step`, which
+admits waiting requests (reusing their longest cached prefix and computing
+only the rest of the prompt) and then decodes one token for every running
+request, round-robin, one sequence per forward pass. A finished request's
+blocks stay cached for the next request that shares its prefix.
+
+A request that cannot get blocks waits; a running request that runs out of
+blocks mid-generation is preempted (its computed blocks stay cached) and
+resumes later by recomputing only what was evicted. Every request records
+its time to first token, decode speed and cached-token count.
+
+The engine is single-threaded: :class:`~kvtier.engine.worker.EngineWorker`
+runs it on a thread of its own for concurrent callers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.engine.detok import IncrementalDetokenizer
+from kvtier.engine.hf_cache import KvTierCache, layout_for_model
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.errors import BadRequestError, ConfigError, KvTierError, OutOfBlocksError
+from kvtier.keys import Namespace
+from kvtier.manager import KVCacheManager
+from kvtier.obs.metrics import Histogram
+from kvtier.policy.base import EvictionPolicy
+from kvtier.storage import KVBlockStorage
+
+log = logging.getLogger(__name__)
+
+#: Buckets of the time-to-first-token histogram, in seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class RequestMetrics:
+    """Timings and token counts of one request (``time.perf_counter`` seconds)."""
+
+    arrival_time: float
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival (queueing included)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Generated tokens per second after the first one."""
+        if self.first_token_time is None or self.finish_time is None or self.completion_tokens < 2:
+            return None
+        span = self.finish_time - self.first_token_time
+        return (self.completion_tokens - 1) / span if span > 0 else None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": self.ttft,
+            "queue_s": self.queue_time,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "preemptions": self.preemptions,
+        }
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request: new text and token ids, and whether it ended.
+
+    ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
+    (max_tokens or the context limit), ``"abort"`` (cancelled) or ``"error"``
+    (``error`` says why).
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    generated: list[int] = field(default_factory=list)
+    cache: KvTierCache | None = None
+    #: The last sampled token, not yet run through the model.
+    pending: int | None = None
+    cancelled: bool = False
+    admissions: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """Engine-wide totals exported as metrics."""
+
+    requests_added: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    forward_errors: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    last: RequestMetrics | None = None
+
+
+class Engine:
+    """Generates with a Hugging Face causal LM whose KV cache lives in kvtier blocks.
+
+    ``num_blocks`` sizes the block pool; by default it is what
+    ``kv_cache_bytes`` holds. ``max_num_seqs`` bounds the requests running
+    at once (each decodes one token per :meth:`step`). ``prefix_caching``
+    off keeps every request's blocks private and drops them when it ends.
+    ``sampling_defaults`` (``temperature``, ``top_p``) are what a server
+    applies to requests that leave them out.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str = "model",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = 512 * 2**20,
+        policy: str | EvictionPolicy = "lru",
+        max_num_seqs: int = 4,
+        max_model_len: int | None = None,
+        prefix_caching: bool = True,
+        sampling_defaults: dict[str, float] | None = None,
+    ) -> None:
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        param = next(model.parameters())
+        self.device = param.device
+        self.layout = layout_for_model(model.config, block_size, param.dtype)
+        if num_blocks is None:
+            num_blocks = max(kv_cache_bytes // self.layout.bytes_per_block, 1)
+        self.storage = KVBlockStorage(self.layout, num_blocks, self.device)
+        self.manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            policy=policy,
+            namespace=Namespace(model_id, self.layout),
+        )
+        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+        pool_len = num_blocks * block_size
+        if max_model_len is None:
+            max_model_len = min(model_len, pool_len)
+        elif max_model_len > model_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
+            )
+        elif max_model_len > pool_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the KV pool ({num_blocks} blocks of "
+                f"{block_size} = {pool_len} tokens): raise kv_cache_bytes or num_blocks"
+            )
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.prefix_caching = prefix_caching
+        #: ``temperature`` / ``top_p`` the server uses when a request leaves them out.
+        self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.counters = EngineCounters()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        spec: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        model_id: str | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load the default model (or ``spec``: a directory or .gguf file) and build an engine."""
+        from kvtier.engine.model import load_model
+
+        loaded = load_model(spec, dtype=dtype, device=device, model_id=model_id)
+        kwargs.setdefault("sampling_defaults", loaded.sampling_defaults)
+        return cls(loaded.model, loaded.tokenizer, model_id=loaded.model_id, **kwargs)
+
+    # -- prompts ------------------------------------------------------------------
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template, ready for the reply."""
+        if not messages:
+            raise BadRequestError("messages must be a non-empty list", param="messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise BadRequestError(
+                f"model {self.model_id} has no chat template: use /v1/completions", param="messages"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template raising on odd input is the caller's input
+            raise BadRequestError(
+                f"messages do not fit the chat template: {exc}", param="messages"
+            ) from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequestError("prompt must be a non-empty string", param="prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise :class:`BadRequestError` unless the request can ever run."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise BadRequestError("the prompt is empty", param="messages")
+        vocab = int(getattr(self.model.config, "vocab_size", 2**32))
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise BadRequestError(
+                    f"prompt token id {t!r} is outside [0, {vocab})", param="prompt"
+                )
+        if n + params.max_tokens > self.max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens" if n < self.max_model_len else "messages",
+            )
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input."""
+        params = params or SamplingParams()
+        ids = list(prompt_ids)
+        self.check_request(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._by_id:
+            raise BadRequestError(f"request id {rid!r} is already in the engine")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        req = _Request(
+            rid,
+            ids,
+            params,
+            Sampler(params),
+            IncrementalDetokenizer(self.tokenizer, params.stop),
+            RequestMetrics(now, len(ids)),
+        )
+        self._waiting.append(req)
+        self._by_id[rid] = req
+        self.counters.requests_added += 1
+        self.counters.prompt_tokens += len(ids)
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step (its computed blocks stay cached)."""
+        req = self._by_id.get(request_id)
+        if req is not None:
+            req.cancelled = True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, then decode one token for each running request."""
+        outs: list[RequestOutput] = []
+        for req in [r for r in (*self._waiting, *self._running) if r.cancelled]:
+            self._finish(req, "abort", "", outs)
+        fresh = self._admit(outs)
+        for req in list(self._running):
+            if req in fresh:
+                continue
+            self._decode(req, outs)
+        return outs
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Run one request to completion, yielding its outputs (other queued requests run too)."""
+        rid = self.add_request(prompt_ids, params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    # -- scheduling internals --------------------------------------------------------------
+    def _admit(self, outs: list[RequestOutput]) -> set[_Request]:
+        fresh: set[_Request] = set()
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            req = self._waiting[0]
+            tokens = req.prompt_ids + req.generated
+            extra = () if self.prefix_caching else (f"private:{req.request_id}:{req.admissions}",)
+            try:
+                cache = KvTierCache(
+                    self.storage, self.manager, req.request_id, tokens, extra_keys=extra
+                )
+            except OutOfBlocksError as exc:
+                if self._running:
+                    break  # wait for running requests to finish and free blocks
+                self._waiting.popleft()
+                self._finish(req, "error", "", outs, error=f"out of KV cache blocks: {exc}")
+                continue
+            self._waiting.popleft()
+            now = time.perf_counter()
+            m = req.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.cached_tokens = cache.num_cached_tokens
+                self.counters.cached_prompt_tokens += cache.num_cached_tokens
+            req.admissions += 1
+            req.cache = cache
+            req.pending = None
+            self._running.append(req)
+            fresh.add(req)
+            self.counters.computed_prompt_tokens += len(tokens) - cache.num_cached_tokens
+            self._forward(req, tokens[cache.num_cached_tokens :], outs)
+        return fresh
+
+    def _decode(self, req: _Request, outs: list[RequestOutput]) -> None:
+        cache = req.cache
+        assert cache is not None and req.pending is not None
+        try:
+            cache.feed([req.pending])
+        except OutOfBlocksError:
+            self._preempt(req, outs)
+            return
+        self._forward(req, [req.pending], outs, fed=True)
+
+    def _forward(
+        self, req: _Request, ids: list[int], outs: list[RequestOutput], *, fed: bool = False
+    ) -> None:
+        cache = req.cache
+        assert cache is not None
+        try:
+            if not fed:
+                cache.feed(ids)
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
+            token = req.sampler(out.logits[0, -1])
+        except KvTierError as exc:
+            self.counters.forward_errors += 1
+            log.exception("request %s failed", req.request_id)
+            self._finish(req, "error", "", outs, error=str(exc))
+            return
+        except Exception as exc:
+            self.counters.forward_errors += 1
+            log.exception("forward pass of request %s failed", req.request_id)
+            self._finish(req, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
+            return
+        self._on_token(req, token, outs)
+
+    def _on_token(self, req: _Request, token: int, outs: list[RequestOutput]) -> None:
+        m = req.metrics
+        now = time.perf_counter()
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.counters.ttft.observe(now - m.arrival_time)
+        req.generated.append(token)
+        m.completion_tokens += 1
+        self.counters.generation_tokens += 1
+        if token in self.eos_token_ids and not req.params.ignore_eos:
+            self._finish(req, "stop", req.detok.flush(), outs, token=token)
+            return
+        text = req.detok.add(token)
+        if req.detok.stopped:
+            self._finish(req, "stop", text, outs, token=token)
+        elif (
+            len(req.generated) >= req.params.max_tokens
+            or len(req.prompt_ids) + len(req.generated) >= self.max_model_len
+        ):
+            self._finish(req, "length", text + req.detok.flush(), outs, token=token)
+        else:
+            req.pending = token
+            outs.append(RequestOutput(req.request_id, text, [token], False, None, m))
+
+    def _preempt(self, req: _Request, outs: list[RequestOutput]) -> None:
+        cache = req.cache
+        assert cache is not None
+        if len(self._running) == 1:
+            self._finish(
+                req,
+                "error",
+                "",
+                outs,
+                error="out of KV cache blocks with no other request to wait for",
+            )
+            return
+        cache.release()
+        req.cache = None
+        self._running.remove(req)
+        self._waiting.appendleft(req)
+        req.metrics.preemptions += 1
+        self.counters.preemptions += 1
+
+    def _finish(
+        self,
+        req: _Request,
+        reason: str,
+        text: str,
+        outs: list[RequestOutput],
+        *,
+        token: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        cache = req.cache
+        if cache is not None:
+            if reason == "error":
+                cache.abort()
+            elif self.prefix_caching:
+                cache.release()
+            else:
+                cache.discard()
+            req.cache = None
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self._by_id.pop(req.request_id, None)
+        req.metrics.finish_time = time.perf_counter()
+        c = self.counters
+        c.finished[reason] = c.finished.get(reason, 0) + 1
+        c.last = req.metrics
+        outs.append(
+            RequestOutput(
+                req.request_id,
+                text,
+                [] if token is None else [token],
+                True,
+                reason,
+                req.metrics,
+                error,
+            )
+        )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = (
+            tokenizer.convert_tokens_to_ids(name)
+            if hasattr(tokenizer, "convert_tokens_to_ids")
+            else None
+        )
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if isinstance(tid, int) and tid != unk:
+            ids.add(tid)
+    return frozenset(ids)

@@ -1,0 +1,384 @@
+"""A Hugging Face transformers ``Cache`` whose keys and values live in kvtier blocks.
+
+:class:`KvTierCache` is one request's view of the block pool. Built from a
+prompt, it asks the :class:`~kvtier.KVCacheManager` for the longest cached
+prefix and reports that many tokens as already in the cache, so
+``model(...)`` and ``generate(...)`` compute only the rest of the prompt,
+at the right positions, with the causal mask covering the cached prefix.
+Every forward pass writes the new tokens' K/V into the request's slots of a
+:class:`~kvtier.storage.KVBlockStorage` and attention reads the request's
+whole K/V back through its block table, so what the next request reuses is
+exactly what this one computed.
+
+Publishing a full block needs its token ids, which a ``Cache`` never sees;
+:func:`attach` installs a forward pre-hook that hands the model's
+``input_ids`` to the cache (``generate`` needs it; the reference engine
+calls :meth:`KvTierCache.feed` itself). One cache holds one sequence
+(batch size 1). Use it as a context manager, or call :meth:`release` (done)
+or :meth:`abort` (a forward pass failed), so no block published for tokens
+that were never computed can be hit later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvtier.block_table import BlockTable
+from kvtier.errors import BadRequestError, ConfigError, KvTierError
+from kvtier.keys import ExtraKey
+from kvtier.layout import DTYPE_BYTES, KVLayout, cdiv
+from kvtier.manager import KVCacheManager, RequestId
+from kvtier.storage import KVBlockStorage
+
+_HOOK_ATTR = "_kvtier_cache_hook"
+
+
+def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """The KV block layout of a transformers decoder config (Llama family)."""
+    try:
+        num_layers = int(config.num_hidden_layers)
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    except AttributeError as exc:
+        raise ConfigError(f"model config lacks a decoder attention field: {exc}") from None
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"model dtype {dtype} cannot be stored in KV blocks")
+    return KVLayout(num_layers, kv_heads, int(head_dim), block_size, name)
+
+
+class _KvTierLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One decoder layer's view of a :class:`KvTierCache`."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, owner: KvTierCache, index: int, length: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._owner = owner
+        self._index = index
+        #: Tokens of this layer whose K/V are in the blocks.
+        self.length = length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k, v = self._owner._update(self, key_states, value_states)
+        self.keys, self.values = k, v
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise BadRequestError("a KvTierCache cannot be reset: release it and build a new one")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise BadRequestError(
+            "a KvTierCache cannot be cropped (its full blocks may be shared): "
+            "disable assisted/speculative decoding with it"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise BadRequestError("a KvTierCache holds one sequence: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise BadRequestError(
+            "a KvTierCache holds one sequence: use fork() for more than one continuation"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise BadRequestError("a KvTierCache holds one sequence")
+
+
+class _Pass:
+    """Index tensors of the forward pass in progress, shared by every layer."""
+
+    __slots__ = ("block_ids", "end", "slots", "start")
+
+    def __init__(self, table: BlockTable, start: int, end: int, device: torch.device) -> None:
+        self.start = start
+        self.end = end
+        self.slots = torch.tensor(table.slot_mapping(start, end), dtype=torch.int64, device=device)
+        bs = table.block_size
+        self.block_ids = torch.tensor(
+            table.blocks[: cdiv(end, bs)], dtype=torch.int64, device=device
+        )
+
+
+class KvTierCache(Cache):
+    """One request's KV cache, stored in kvtier blocks (see the module docstring).
+
+    ``prompt_ids`` are the request's tokens so far; their longest cached
+    prefix is reused (:attr:`num_cached_tokens`) and blocks are allocated for
+    the rest. ``extra_keys`` (a LoRA id, a tenant salt) are mixed into every
+    block key, so only requests with the same extra keys share blocks.
+    """
+
+    def __init__(
+        self,
+        storage: KVBlockStorage,
+        manager: KVCacheManager,
+        request_id: RequestId,
+        prompt_ids: Sequence[int],
+        *,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> None:
+        if storage.layout.block_size != manager.block_size:
+            raise ConfigError(
+                f"storage block size {storage.layout.block_size} differs from the "
+                f"manager's {manager.block_size}: build both from one KVLayout"
+            )
+        if storage.num_blocks < manager.pool.num_blocks:
+            raise ConfigError(
+                f"storage holds {storage.num_blocks} blocks but the manager hands out "
+                f"{manager.pool.num_blocks}: size them alike"
+            )
+        ids = _as_ids(prompt_ids, "prompt_ids")
+        alloc = manager.allocate(request_id, ids, extra_keys=extra_keys)
+        self._init(storage, manager, request_id, ids, alloc.block_table, alloc.num_cached_tokens)
+        #: Prompt tokens whose K/V came from the cache (not computed here).
+        self.num_cached_tokens = alloc.num_cached_tokens
+
+    def _init(
+        self,
+        storage: KVBlockStorage,
+        manager: KVCacheManager,
+        request_id: RequestId,
+        tokens: list[int],
+        table: BlockTable,
+        computed: int,
+    ) -> None:
+        self.storage = storage
+        self.manager = manager
+        self.request_id = request_id
+        self._tokens = tokens
+        self._table = table
+        self._computed = computed
+        self._pass: _Pass | None = None
+        self._open = True
+        super().__init__(
+            layers=[_KvTierLayer(self, i, computed) for i in range(storage.layout.num_layers)]
+        )
+
+    # -- state ------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token given to the cache so far (a copy)."""
+        return list(self._tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V are in the blocks (cached prefix included)."""
+        return self._computed
+
+    @property
+    def block_table(self) -> BlockTable:
+        return self._table.copy()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise BadRequestError(
+                f"the KvTierCache of request {self.request_id!r} was released; build a new one"
+            )
+
+    # -- feeding tokens -------------------------------------------------------------
+    def feed(self, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Declare the input ids of the next forward pass.
+
+        Ids at positions the cache already knows (the rest of the prompt)
+        must match them; ids past them are appended to the request, and full
+        blocks they complete are published for reuse.
+        """
+        self._check_open()
+        ids = _as_ids(token_ids, "input_ids")
+        start = self._computed
+        known = len(self._tokens)
+        overlap = max(min(known - start, len(ids)), 0)
+        if ids[:overlap] != self._tokens[start : start + overlap]:
+            raise BadRequestError(
+                f"input_ids do not continue this cache's sequence at position {start}: "
+                "pass the same prompt the cache was built with"
+            )
+        new = ids[overlap:]
+        if new:
+            ext = self.manager.extend(self.request_id, new)
+            if ext.copies:
+                self.storage.copy_blocks(ext.copies)
+            self._table = ext.block_table
+            self._tokens.extend(new)
+
+    def _begin(self, num_new: int) -> _Pass:
+        start = self._computed
+        end = start + num_new
+        if end > len(self._tokens):
+            raise BadRequestError(
+                f"the forward pass brings {num_new} tokens at position {start}, but the cache "
+                f"knows token ids only up to {len(self._tokens)}: call kvtier.engine.attach(model) "
+                "once, or cache.feed(input_ids) before model(...)"
+            )
+        p = _Pass(self._table, start, end, self.storage.device)
+        self._pass = p
+        return p
+
+    def _update(
+        self, layer: _KvTierLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_open()
+        if key_states.dim() != 4 or key_states.shape[0] != 1:
+            raise BadRequestError(
+                f"a KvTierCache holds one sequence, got key states shaped {list(key_states.shape)}"
+                " (batch must be 1): build one cache per request"
+            )
+        q = key_states.shape[2]
+        p = self._pass
+        if p is None or layer.length != p.start or p.end - p.start != q:
+            if layer.length != self._computed:
+                raise BadRequestError(
+                    f"layer {layer._index} is at token {layer.length} while the cache is at "
+                    f"{self._computed}: a forward pass was interrupted; abort() this cache"
+                )
+            p = self._begin(q)
+        storage = self.storage
+        idx = layer._index
+        storage.write(idx, p.slots, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        k, v = storage.read(idx, p.block_ids, p.end)
+        layer.length = p.end
+        if idx == len(self.layers) - 1:
+            self._computed = p.end
+            self._pass = None
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def fork(self, request_id: RequestId) -> KvTierCache:
+        """A new request continuing from this one, sharing its blocks (copy-on-write)."""
+        self._check_open()
+        if self._pass is not None:
+            raise BadRequestError("cannot fork a KvTierCache in the middle of a forward pass")
+        table = self.manager.fork(self.request_id, request_id)
+        other = KvTierCache.__new__(KvTierCache)
+        other._init(
+            self.storage, self.manager, request_id, list(self._tokens), table, self._computed
+        )
+        other.num_cached_tokens = self._computed
+        return other
+
+    def release(self) -> None:
+        """End the request; its full computed blocks stay cached for reuse.
+
+        Tokens fed but never computed (a pass that did not run) are withdrawn.
+        """
+        if not self._open:
+            return
+        self._open = False
+        if self._computed < len(self._tokens):
+            self.manager.abort(self.request_id, self._computed)
+        else:
+            self.manager.free(self.request_id)
+
+    def abort(self) -> None:
+        """End the request after a failed forward pass: blocks past the last
+        complete pass are withdrawn from the cache, never served."""
+        if not self._open:
+            return
+        self._open = False
+        self._pass = None
+        self.manager.abort(self.request_id, self._computed)
+
+    def discard(self) -> None:
+        """End the request keeping nothing: every block it published is withdrawn.
+
+        Blocks it reused from the cache (its cached prefix, or the blocks it
+        shares with the request it was forked from) stay cached.
+        """
+        if not self._open:
+            return
+        self._open = False
+        self._pass = None
+        self.manager.abort(self.request_id, self.num_cached_tokens)
+
+    def __enter__(self) -> KvTierCache:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.release()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return (
+            f"KvTierCache(request_id={self.request_id!r}, tokens={len(self._tokens)}, "
+            f"computed={self._computed}, cached_prefix={self.num_cached_tokens})"
+        )
+
+
+def _as_ids(token_ids: object, what: str) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2:
+            if token_ids.shape[0] != 1:
+                raise BadRequestError(
+                    f"{what} has batch size {token_ids.shape[0]}; a KvTierCache holds one sequence"
+                )
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1 or token_ids.is_floating_point():
+            raise BadRequestError(f"{what} must be a 1-D integer tensor or a list of ints")
+        return [int(t) for t in token_ids.tolist()]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise BadRequestError(
+            f"{what} must be a sequence of token ids, got {type(token_ids).__name__}"
+        )
+    out = list(token_ids)
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise BadRequestError(f"{what} must hold ints, got {type(t).__name__}")
+    return out
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, KvTierCache):
+        return
+    ids = kwargs.get("input_ids")
+    if ids is None and args:
+        ids = args[0]
+    if ids is None:
+        raise KvTierError(
+            "a KvTierCache needs the input_ids of every forward pass (inputs_embeds alone "
+            "cannot be keyed): pass input_ids"
+        )
+    cache.feed(ids)
+
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Let ``model`` feed its input ids to a :class:`KvTierCache` (idempotent).
+
+    Needed for ``model.generate(..., past_key_values=cache)``: the cache must
+    know each generated token's id to publish the blocks it fills.
+    """
+    if not getattr(model, _HOOK_ATTR, False):
+        model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        setattr(model, _HOOK_ATTR, True)
+    return model

@@ -1,0 +1,740 @@
+"""The OpenAI-compatible HTTP API over an :class:`~kvtier.engine.EngineWorker`.
+
+:func:`create_app` builds a FastAPI application with
+
+* ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's
+  response shapes, streamed as server-sent events when ``stream`` is set;
+* ``GET /v1/models``: the one served model;
+* ``GET /health``: 200 while the engine thread runs, 503 otherwise;
+* ``GET /metrics``: Prometheus text (prefix-cache hits, KV blocks, requests,
+  tokens, time to first token, preemptions);
+* ``GET /v1/cache/stats``: the cache manager's statistics, the engine's
+  counters and the KV block layout, as JSON.
+
+Every bad input is answered with HTTP 400 and OpenAI's error body
+``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
+a generation that fails inside the engine is a 500 ``server_error`` (or, when
+streaming, an error event before ``[DONE]``). A client that disconnects
+cancels its request, and the blocks it computed stay cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.worker import EngineWorker, RequestHandle
+from kvtier.errors import BadRequestError, KvTierError
+from kvtier.manager import CacheStats
+from kvtier.obs.metrics import Histogram, MetricFamily, render_prometheus
+from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
+
+#: Content type of the Prometheus text exposition format.
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+#: Seconds a stats read waits for the engine thread to reach a step boundary.
+SNAPSHOT_TIMEOUT_S = 30.0
+
+#: How often a non-streaming request checks whether its client went away.
+DISCONNECT_POLL_S = 0.5
+
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(exc.message, type=exc.type, param=exc.param, code=exc.code),
+        status_code=exc.status,
+    )
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """Pydantic names the union member in an error's location: ``str``, ``list[int]``, ..."""
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+
+
+def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body" and not (isinstance(p, str) and _is_union_tag(p))]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += f".{p}" if out else str(p)
+    return out or None
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter for a list of pydantic errors."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        pos = loc[1] if len(loc) > 1 else "?"
+        return f"the request body is not valid JSON ({detail} at position {pos})", None
+    param = _loc_to_param(loc)
+    msg = str(first.get("msg", "invalid value"))
+    if param is None:
+        if first.get("type") == "missing":
+            return "the request body is missing: send a JSON object", None
+        return f"invalid request body: {msg}", None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"invalid value for '{param}': {msg}{more}", param
+
+
+# -- engine snapshots -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's and its cache's numbers at one step boundary."""
+
+    stats: CacheStats
+    running: int
+    waiting: int
+    requests_added: int
+    finished: dict[str, int]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    computed_prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    forward_errors: int
+    ttft: Histogram
+    last: dict[str, float | int | None] | None
+
+
+def _copy_histogram(h: Histogram) -> Histogram:
+    copy = Histogram(h.bounds)
+    copy.counts = list(h.counts)
+    copy.sum = h.sum
+    copy.count = h.count
+    return copy
+
+
+def snapshot_engine(engine: Engine) -> EngineSnapshot:
+    """Read everything the stats endpoints report (call it on the engine's thread)."""
+    c = engine.counters
+    return EngineSnapshot(
+        stats=engine.manager.stats(),
+        running=engine.num_running,
+        waiting=engine.num_waiting,
+        requests_added=c.requests_added,
+        finished=dict(c.finished),
+        prompt_tokens=c.prompt_tokens,
+        cached_prompt_tokens=c.cached_prompt_tokens,
+        computed_prompt_tokens=c.computed_prompt_tokens,
+        generation_tokens=c.generation_tokens,
+        preemptions=c.preemptions,
+        forward_errors=c.forward_errors,
+        ttft=_copy_histogram(c.ttft),
+        last=None if c.last is None else c.last.as_dict(),
+    )
+
+
+_STATS_FIELDS = (
+    "hit_tokens",
+    "queried_tokens",
+    "hit_ratio",
+    "evictions",
+    "cascade_evictions",
+    "usage",
+    "used_blocks",
+    "free_blocks",
+    "empty_blocks",
+    "cached_blocks",
+    "total_blocks",
+    "num_requests",
+    "allocations",
+    "allocation_failures",
+    "declined_blocks",
+    "duplicate_blocks",
+    "cow_copies",
+    "callback_errors",
+    "policy",
+    "extra",
+)
+
+
+def stats_dict(stats: CacheStats) -> dict[str, Any]:
+    """The fields of a :class:`~kvtier.manager.CacheStats` as plain JSON data."""
+    if dataclasses.is_dataclass(stats):
+        names = [f.name for f in dataclasses.fields(stats)]
+    else:  # pragma: no cover - a compiled CacheStats without dataclass metadata
+        names = [n for n in _STATS_FIELDS if hasattr(stats, n)]
+    out: dict[str, Any] = {}
+    for name in names:
+        value = getattr(stats, name)
+        out[name] = dict(value) if isinstance(value, dict) else value
+    return out
+
+
+def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
+    """The Prometheus metric families for one snapshot."""
+    s = snap.stats
+    finished = MetricFamily(
+        "kvtier_requests_finished_total", "counter", "Requests finished, by finish reason."
+    )
+    for reason in sorted({*_FINISH_REASONS, *snap.finished}):
+        finished.add(snap.finished.get(reason, 0), reason=reason)
+    return [
+        MetricFamily(
+            "kvtier_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+        ).add(s.hit_tokens),
+        MetricFamily(
+            "kvtier_prefix_cache_queried_tokens_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+        ).add(s.queried_tokens),
+        MetricFamily(
+            "kvtier_prefix_cache_hit_ratio",
+            "gauge",
+            "Prefix-cache hit tokens / queried tokens since start.",
+        ).add(s.hit_ratio),
+        MetricFamily("kvtier_kv_blocks_used", "gauge", "KV blocks held by requests.").add(
+            s.used_blocks
+        ),
+        MetricFamily(
+            "kvtier_kv_blocks_free", "gauge", "KV blocks free or evictable (cached, unreferenced)."
+        ).add(s.free_blocks),
+        MetricFamily(
+            "kvtier_kv_blocks_cached", "gauge", "KV blocks holding a reusable prefix."
+        ).add(s.cached_blocks),
+        MetricFamily("kvtier_kv_blocks_total", "gauge", "KV blocks in the pool.").add(
+            s.total_blocks
+        ),
+        MetricFamily("kvtier_kv_cache_usage", "gauge", "Share of KV blocks in use (0 to 1).").add(
+            s.usage
+        ),
+        MetricFamily(
+            "kvtier_kv_evictions_total", "counter", "Cached KV blocks evicted to make room."
+        ).add(s.evictions),
+        MetricFamily(
+            "kvtier_kv_cascade_evictions_total",
+            "counter",
+            "Cached KV blocks dropped because their prefix parent was evicted.",
+        ).add(s.cascade_evictions),
+        MetricFamily("kvtier_requests_running", "gauge", "Requests being generated.").add(
+            snap.running
+        ),
+        MetricFamily("kvtier_requests_waiting", "gauge", "Requests waiting to be scheduled.").add(
+            snap.waiting
+        ),
+        MetricFamily("kvtier_requests_total", "counter", "Requests accepted by the engine.").add(
+            snap.requests_added
+        ),
+        finished,
+        MetricFamily("kvtier_prompt_tokens_total", "counter", "Prompt tokens of all requests.").add(
+            snap.prompt_tokens
+        ),
+        MetricFamily(
+            "kvtier_prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens served from the prefix cache at admission.",
+        ).add(snap.cached_prompt_tokens),
+        MetricFamily(
+            "kvtier_prompt_tokens_computed_total",
+            "counter",
+            "Prompt (and resumed) tokens run through the model.",
+        ).add(snap.computed_prompt_tokens),
+        MetricFamily("kvtier_generation_tokens_total", "counter", "Tokens generated.").add(
+            snap.generation_tokens
+        ),
+        MetricFamily(
+            "kvtier_time_to_first_token_seconds",
+            "histogram",
+            "Time from a request's arrival to its first generated token.",
+        ).add(snap.ttft),
+        MetricFamily(
+            "kvtier_preemptions_total",
+            "counter",
+            "Running requests preempted for lack of KV blocks.",
+        ).add(snap.preemptions),
+        MetricFamily(
+            "kvtier_forward_errors_total", "counter", "Requests that failed in the model."
+        ).add(snap.forward_errors),
+    ]
+
+
+# -- the application -----------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _closing(
+    outs: AsyncIterator[RequestOutput],
+) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+    """Close an async generator on exit, so its cleanup (cancelling the request) runs now."""
+    try:
+        yield outs
+    finally:
+        aclose = getattr(outs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    m = out.metrics
+    return {
+        "prompt_tokens": m.prompt_tokens,
+        "completion_tokens": m.completion_tokens,
+        "total_tokens": m.prompt_tokens + m.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+    }
+
+
+def _failure_message(out: RequestOutput) -> str:
+    if out.finish_reason == "abort":
+        return "the request was cancelled"
+    return f"generation failed: {out.error or 'unknown engine error'}"
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
+    """An OpenAI-compatible FastAPI app serving ``worker``'s engine as ``served_model_name``.
+
+    The caller owns the worker: start it before serving and stop it after.
+    """
+    engine = worker.engine
+    created = int(time.time())
+    app = FastAPI(
+        title="kvtier",
+        summary="OpenAI-compatible completions over kvtier's KV-cache manager",
+        version=_version(),
+    )
+    app.state.worker = worker
+    app.state.served_model_name = served_model_name
+
+    # -- errors ----------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(BadRequestError)
+    async def _bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
+        return _error_response(APIError(400, str(exc), param=exc.param))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises the exception after this response, so the server logs it.
+        return JSONResponse(
+            error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
+            status_code=500,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+        return JSONResponse(
+            error_body(message),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    # -- helpers ----------------------------------------------------------------------
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise APIError(
+                400,
+                f"The model '{name}' does not exist: this server serves '{served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def make_params(max_tokens: int, kwargs: dict[str, Any]) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, **kwargs)
+
+    async def submit(ids: list[int], params: SamplingParams, *, prompt_param: str) -> RequestHandle:
+        if not worker.alive:
+            raise APIError(503, "the engine is not running", type="server_error")
+        try:
+            return worker.submit(ids, params, loop=asyncio.get_running_loop())
+        except BadRequestError as exc:
+            param = exc.param
+            if param in ("messages", "prompt"):
+                param = prompt_param
+            code = None
+            if ids and len(ids) + params.max_tokens > engine.max_model_len:
+                code = "context_length_exceeded"
+            raise APIError(400, str(exc), param=param, code=code) from None
+        except KvTierError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", type="server_error") from None
+
+    async def snapshot() -> EngineSnapshot:
+        if not worker.alive:  # no thread owns the engine any more: read it here
+            return snapshot_engine(engine)
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(worker.call, snapshot_engine), SNAPSHOT_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer in time", type="server_error") from None
+
+    async def collect(handle: RequestHandle, request: Request) -> tuple[str, RequestOutput]:
+        """All of a request's text and its last output; cancels it if the client leaves."""
+        parts: list[str] = []
+        last: list[RequestOutput] = []
+
+        async def consume() -> None:
+            async with _closing(handle.stream()) as outs:
+                async for out in outs:
+                    parts.append(out.text)
+                    last.append(out)
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    raise APIError(499, "the client disconnected", type="server_error")
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                handle.cancel()
+        return "".join(parts), last[-1]
+
+    async def respond(
+        handle: RequestHandle,
+        request: Request,
+        rid: str,
+        kind: str,
+        streaming: bool,
+        include_usage: bool,
+        stream: Callable[..., AsyncIterator[bytes]],
+        choice: Callable[[str], dict[str, Any]],
+    ) -> JSONResponse | StreamingResponse:
+        """A completion's response: SSE when streaming, else one OpenAI-shaped JSON body."""
+        now = int(time.time())
+        if streaming:
+            return StreamingResponse(
+                stream(handle, rid, now, served_model_name, include_usage),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
+        text, last = await collect(handle, request)
+        if last.finish_reason not in ("stop", "length"):
+            raise APIError(500, _failure_message(last), type="server_error")
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": now,
+                "model": served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        **choice(text),
+                        "logprobs": None,
+                        "finish_reason": last.finish_reason,
+                    }
+                ],
+                "usage": _usage(last),
+                "system_fingerprint": None,
+            }
+        )
+
+    # -- endpoints ------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        check_model(body.model)
+        messages = body.to_messages()
+        kwargs = body.sampling_kwargs(engine.sampling_defaults)
+        ids = await asyncio.to_thread(engine.encode_chat, messages)
+        requested = body.requested_max_tokens()
+        max_tokens = max(engine.max_model_len - len(ids), 1) if requested is None else requested
+        params = make_params(max_tokens, kwargs)
+        handle = await submit(ids, params, prompt_param="messages")
+        return await respond(
+            handle,
+            request,
+            _new_id("chatcmpl"),
+            "chat.completion",
+            body.streaming,
+            body.include_usage,
+            _chat_stream,
+            lambda text: {"message": {"role": "assistant", "content": text, "refusal": None}},
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        body: CompletionRequest, request: Request
+    ) -> JSONResponse | StreamingResponse:
+        check_model(body.model)
+        body.check_supported()
+        kwargs = body.sampling_kwargs(engine.sampling_defaults)
+        prompt = body.single_prompt()
+        params = make_params(body.requested_max_tokens(), kwargs)
+        if isinstance(prompt, str):
+            ids = await asyncio.to_thread(engine.encode_prompt, prompt)
+        else:
+            ids = prompt
+        handle = await submit(ids, params, prompt_param="prompt")
+        return await respond(
+            handle,
+            request,
+            _new_id("cmpl"),
+            "text_completion",
+            body.streaming,
+            body.include_usage,
+            _completion_stream,
+            lambda text: {"text": text},
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvtier",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        if worker.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        text = render_prometheus(metric_families(await snapshot()))
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> dict[str, Any]:
+        snap = await snapshot()
+        layout = engine.layout
+        ttft = snap.ttft
+        return {
+            **stats_dict(snap.stats),
+            "engine": {
+                "model": served_model_name,
+                "running": snap.running,
+                "waiting": snap.waiting,
+                "requests_added": snap.requests_added,
+                "finished": snap.finished,
+                "prompt_tokens": snap.prompt_tokens,
+                "cached_prompt_tokens": snap.cached_prompt_tokens,
+                "computed_prompt_tokens": snap.computed_prompt_tokens,
+                "generation_tokens": snap.generation_tokens,
+                "preemptions": snap.preemptions,
+                "forward_errors": snap.forward_errors,
+                "ttft_count": ttft.count,
+                "ttft_mean_s": ttft.sum / ttft.count if ttft.count else None,
+                "last_request": snap.last,
+                "max_model_len": engine.max_model_len,
+                "max_num_seqs": engine.max_num_seqs,
+                "prefix_caching": engine.prefix_caching,
+            },
+            "layout": {
+                "num_layers": layout.num_layers,
+                "num_kv_heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim,
+                "block_size": layout.block_size,
+                "dtype": layout.dtype,
+                "canonical": layout.canonical(),
+                "bytes_per_token": layout.bytes_per_token,
+                "bytes_per_block": layout.bytes_per_block,
+            },
+            "block_size": layout.block_size,
+            "bytes_per_block": layout.bytes_per_block,
+            "kv_cache_bytes": layout.bytes_per_block * snap.stats.total_blocks,
+        }
+
+    return app
+
+
+# -- streaming --------------------------------------------------------------------------
+
+
+async def _stream_outputs(
+    handle: RequestHandle,
+    on_output: Callable[[RequestOutput], list[dict[str, Any]]],
+    on_usage: Callable[[RequestOutput], dict[str, Any]] | None,
+) -> AsyncIterator[bytes]:
+    """SSE events for a request's outputs, a usage event, then ``[DONE]``.
+
+    A request that ends in an error sends an OpenAI error event instead of its
+    final chunk. If the client disconnects, the request is cancelled.
+    """
+    try:
+        async with _closing(handle.stream()) as outs:
+            async for out in outs:
+                if out.finished and out.finish_reason not in ("stop", "length"):
+                    yield _sse(error_body(_failure_message(out), type="server_error"))
+                    break
+                for chunk in on_output(out):
+                    yield _sse(chunk)
+                if out.finished and on_usage is not None:
+                    yield _sse(on_usage(out))
+        yield _sse("[DONE]")
+    finally:
+        if not handle.finished:
+            handle.cancel()
+
+
+def _chat_stream(
+    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    first = [True]
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def on_output(out: RequestOutput) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+        if first[0]:
+            first[0] = False
+            chunks.append(chunk({"role": "assistant", "content": ""}, None))
+        if out.text:
+            chunks.append(chunk({"content": out.text}, None))
+        if out.finished:
+            chunks.append(chunk({}, out.finish_reason))
+        return chunks
+
+    def on_usage(out: RequestOutput) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [],
+            "usage": _usage(out),
+        }
+
+    return _stream_outputs(handle, on_output, on_usage if include_usage else None)
+
+
+def _completion_stream(
+    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def on_output(out: RequestOutput) -> list[dict[str, Any]]:
+        if out.finished:
+            return [chunk(out.text, out.finish_reason)]
+        return [chunk(out.text, None)] if out.text else []
+
+    def on_usage(out: RequestOutput) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [],
+            "usage": _usage(out),
+        }
+
+    return _stream_outputs(handle, on_output, on_usage if include_usage else None)
+
+
+def _version() -> str:
+    from kvtier import __version__
+
+    return str(__version__)

@@ -1,0 +1,226 @@
+"""``kvtier serve``: options, errors, and a real server process on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.cli import main, parse_memory_size
+from kvtier.errors import ConfigError
+
+TESTS = Path(__file__).parent
+
+# Runs the CLI the way the tests import kvtier: conftest installs the
+# source-only import switch when KVTIER_PURE_PYTHON=1.
+_LAUNCH = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import conftest; "
+    "from kvtier.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", _LAUNCH, str(TESTS), *args]
+
+
+def test_serve_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--dtype",
+        "--device",
+        "--block-size",
+        "--kv-cache-memory",
+        "--num-blocks",
+        "--policy",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--no-prefix-caching",
+        "--log-level",
+    ):
+        assert option in out, option
+    assert "examples:" in out and "kvtier serve --port" in out
+
+
+def test_serve_is_listed_in_the_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "serve" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-cache-memory", "abc"], "cannot parse memory size 'abc'"),
+        (["--kv-cache-memory", "0"], "at least 1 byte"),
+        (["--port", "70000"], "port number"),
+        (["--block-size", "0"], "positive integer"),
+        (["--max-num-seqs", "two"], "positive integer"),
+        (["--policy", "nope"], "unknown policy"),
+        (["--dtype", "int4"], "invalid choice"),
+        (["--default-temperature", "3"], "temperature in [0, 2]"),
+        (["--default-top-p", "0"], "top_p in (0, 1]"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert f"argument {args[0]}" in err
+    assert "Traceback" not in err
+
+
+def test_missing_model_exits_1_and_says_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "/nonexistent/model.gguf"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: --model '/nonexistent/model.gguf' does not exist")
+    assert "Hugging Face model directory or a .gguf file" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_model_in_a_subprocess_has_no_traceback() -> None:
+    res = subprocess.run(
+        _cli("serve", "--model", "/nonexistent"), capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 1
+    assert "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_directory_without_a_model_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("uvicorn")
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 1
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_a_port_in_use_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * 2**20),
+        ("1GiB", 2**30),
+        ("1.5G", 3 * 2**29),
+        ("800MB", 800 * 10**6),
+        ("64 KiB", 64 * 1024),
+        ("1048576", 2**20),
+        ("2kb", 2000),
+    ],
+)
+def test_parse_memory_size(text: str, expected: int) -> None:
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "", "-1GiB", "12XB", "0", "1.2.3G", "GiB"])
+def test_parse_memory_size_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="memory size"):
+        parse_memory_size(text)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from tiny_model import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    proc = subprocess.Popen(
+        _cli(
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            "0",
+            "--num-blocks",
+            "64",
+            "--policy",
+            "arc",
+            "--log-level",
+            "warning",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, f"the server exited early: {''.join(lines)}"
+            lines.append(line)
+            if line.startswith("kvtier: serving"):
+                break
+        assert lines[0].startswith("kvtier: loading " + str(tmp_path))
+        assert "64 blocks of 16 tokens" in "".join(lines) and "policy arc" in "".join(lines)
+        serving = lines[-1]
+        assert "OpenAI-compatible" in serving
+        url = serving.split(" at ", 1)[1].split(" ", 1)[0]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        assert f"curl {url}/models" in serving
+        assert [m["id"] for m in _get(f"{url}/models")["data"]] == ["tiny"]
+        reply = _post(
+            f"{url}/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+        assert reply["usage"]["completion_tokens"] <= 3
+        assert _get(url.removesuffix("/v1") + "/health") == {"status": "ok"}
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "kvtier: server stopped" in out
+    assert "Traceback" not in err

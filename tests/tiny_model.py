@@ -1,0 +1,78 @@
+"""A tiny random Llama model and a character-level tokenizer, built offline for tests.
+
+:func:`tiny_model_and_tokenizer` returns a 2-layer Llama with random weights
+(seeded, so greedy output is reproducible) and a fast tokenizer whose vocab
+is a few special tokens plus every printable ASCII character, tab and
+newline; its ChatML-like chat template ends with the assistant header.
+:func:`tiny_engine` wraps them in an :class:`~kvtier.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+#: Printable ASCII (space to ``~``), tab and newline: any ASCII text encodes.
+CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
+
+
+def tiny_tokenizer() -> Any:
+    """A character-level ``PreTrainedTokenizerFast`` with a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
+    """A 2-layer random Llama (``vocab_size`` = the tokenizer's) and its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    return model, tok
+
+
+def tiny_engine(**engine_kwargs: Any) -> Any:
+    """An :class:`~kvtier.engine.Engine` over the tiny model (``model_id`` "tiny" by default)."""
+    from kvtier.engine import Engine
+
+    model, tok = tiny_model_and_tokenizer()
+    engine_kwargs.setdefault("model_id", "tiny")
+    return Engine(model, tok, **engine_kwargs)
