@@ -188,30 +188,47 @@ def _add_replay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay.add_argument(
-        "trace", nargs="?", metavar="TRACE",
+        "trace",
+        nargs="?",
+        metavar="TRACE",
         help="trace file (.jsonl or .jsonl.gz); default: the bundled sample",
     )
     replay.add_argument(
-        "-p", "--policy", nargs="+", action="extend", metavar="P",
+        "-p",
+        "--policy",
+        nargs="+",
+        action="extend",
+        metavar="P",
         help=f"policies to compare, or 'all' (registered: {', '.join(available_policies())}; "
         "also an import path pkg.mod:Class); default lru",
     )
     replay.add_argument(
-        "-c", "--capacity", nargs="+", action="extend", metavar="C",
+        "-c",
+        "--capacity",
+        nargs="+",
+        action="extend",
+        metavar="C",
         help="cache sizes: blocks (2048), tokens (64kt) or %% of unique blocks (5%%); "
         "default 1%% 5%% 10%%",
     )
     replay.add_argument(
-        "--model", choices=("prefix", "block"), default="prefix",
+        "--model",
+        choices=("prefix", "block"),
+        default="prefix",
         help="prefix: a real KVCacheManager (default); block: block-level cache gets",
     )
     replay.add_argument(
-        "--window", type=int, default=1, metavar="K",
+        "--window",
+        type=int,
+        default=1,
+        metavar="K",
         help="prefix model: requests live at once, oldest freed first (default 1)",
     )
     replay.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     replay.add_argument(
-        "--block-size", type=int, metavar="TOKENS",
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
         help="tokens per block (default 512 for Mooncake traces, 16 for token-level ones)",
     )
     replay.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -220,7 +237,9 @@ def _add_replay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--plot", metavar="FILE.png", help="plot hit ratio against capacity (needs matplotlib)"
     )
     replay.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="progress bar on stderr (default: only when stderr is a terminal)",
     )
     replay.set_defaults(func=_replay)
@@ -247,11 +266,20 @@ examples:
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kb": 10**3, "kib": 2**10,
-    "m": 2**20, "mb": 10**6, "mib": 2**20,
-    "g": 2**30, "gb": 10**9, "gib": 2**30,
-    "t": 2**40, "tb": 10**12, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 2**40,
+    "tb": 10**12,
+    "tib": 2**40,
 }
 
 
@@ -306,24 +334,22 @@ def _port(text: str) -> int:
     return value
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 2.0:
-        raise ConfigError(f"expected a temperature in [0, 2], got {text!r}")
-    return value
+def _float_in(
+    what: str, low: float, high: float, *, open_low: bool = False
+) -> Callable[[str], float]:
+    """A parser of a number in ``[low, high]`` (``(low, high]`` when ``open_low``)."""
+    bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ((low < value) if open_low else (low <= value)) or not value <= high:
+            raise ConfigError(f"expected a {what} in {bounds}, got {text!r}")
+        return value
 
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ConfigError(f"expected a top_p in (0, 1], got {text!r}")
-    return value
+    return parse
 
 
 def _policy_name(text: str) -> str:
@@ -476,12 +502,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument(
-        "--model", metavar="PATH",
+        "--model",
+        metavar="PATH",
         help="a local Hugging Face model directory or .gguf file "
         "(default: the bundled SmolLM2-135M-Instruct GGUF)",
     )
     serve.add_argument(
-        "--served-model-name", metavar="NAME",
+        "--served-model-name",
+        metavar="NAME",
         help="the model name clients send and /v1/models lists "
         "(default: the model's name, e.g. SmolLM2-135M-Instruct)",
     )
@@ -489,59 +517,85 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
     serve.add_argument(
-        "--port", type=_arg(_port, "port"), default=8000,
+        "--port",
+        type=_arg(_port, "port"),
+        default=8000,
         help="port to listen on; 0 picks a free one (default 8000)",
     )
     serve.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
         help="model and KV cache dtype (default float32)",
     )
     serve.add_argument(
         "--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)"
     )
     serve.add_argument(
-        "--block-size", type=_arg(_positive_int, "block size"), default=16, metavar="TOKENS",
+        "--block-size",
+        type=_arg(_positive_int, "block size"),
+        default=16,
+        metavar="TOKENS",
         help="tokens per KV block (default 16)",
     )
     serve.add_argument(
-        "--kv-cache-memory", type=_arg(parse_memory_size, "memory size"), default=512 * 2**20,
+        "--kv-cache-memory",
+        type=_arg(parse_memory_size, "memory size"),
+        default=512 * 2**20,
         metavar="SIZE",
         help="memory for KV blocks: 512MiB, 1GiB, 1.5G, 800MB, or bytes (default 512MiB)",
     )
     serve.add_argument(
-        "--num-blocks", type=_arg(_positive_int, "block count"), metavar="N",
+        "--num-blocks",
+        type=_arg(_positive_int, "block count"),
+        metavar="N",
         help="exact number of KV blocks (overrides --kv-cache-memory)",
     )
     serve.add_argument(
-        "--policy", type=_arg(_policy_name, "policy"), default="lru", metavar="P",
+        "--policy",
+        type=_arg(_policy_name, "policy"),
+        default="lru",
+        metavar="P",
         help=f"eviction policy for cached blocks ({', '.join(available_policies())}, "
         "or an import path pkg.mod:Class; default lru)",
     )
     serve.add_argument(
-        "--max-num-seqs", type=_arg(_positive_int, "request count"), default=4, metavar="N",
+        "--max-num-seqs",
+        type=_arg(_positive_int, "request count"),
+        default=4,
+        metavar="N",
         help="requests generating at once; more wait in a queue (default 4)",
     )
     serve.add_argument(
-        "--max-model-len", type=_arg(_positive_int, "token count"), metavar="TOKENS",
+        "--max-model-len",
+        type=_arg(_positive_int, "token count"),
+        metavar="TOKENS",
         help="longest prompt + completion, in tokens (default: the model's context, "
         "capped by the KV cache)",
     )
     serve.add_argument(
-        "--default-temperature", type=_arg(_temperature, "temperature"), metavar="T",
+        "--default-temperature",
+        type=_arg(_float_in("temperature", 0.0, 2.0), "temperature"),
+        metavar="T",
         help="temperature for requests that send none (default: the model's recommendation, "
         "0.2 for the bundled SmolLM2; else OpenAI's 1.0)",
     )
     serve.add_argument(
-        "--default-top-p", type=_arg(_top_p, "top_p"), metavar="P",
+        "--default-top-p",
+        type=_arg(_float_in("top_p", 0.0, 1.0, open_low=True), "top_p"),
+        metavar="P",
         help="top_p for requests that send none (default: the model's recommendation, "
         "0.9 for the bundled SmolLM2; else 1.0)",
     )
     serve.add_argument(
-        "--no-prefix-caching", action="store_true",
+        "--no-prefix-caching",
+        action="store_true",
         help="keep every request's KV blocks private (no reuse across requests)",
     )
     serve.add_argument(
-        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
         help="server log level (default info)",
     )
     serve.set_defaults(func=_serve)

@@ -71,6 +71,14 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def copy(self) -> Histogram:
+        """An independent copy (a consistent snapshot for a reader on another thread)."""
+        out = Histogram(self.bounds)
+        out.counts = list(self.counts)
+        out.sum = self.sum
+        out.count = self.count
+        return out
+
     def cumulative(self) -> list[tuple[float, int]]:
         out: list[tuple[float, int]] = []
         total = 0

@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,24 +32,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.engine import RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
-from kvtier.manager import CacheStats
-from kvtier.obs.metrics import Histogram, MetricFamily, render_prometheus
-from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
-
-#: Content type of the Prometheus text exposition format.
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+from kvtier.obs.metrics import render_prometheus
+from kvtier.server.metrics import (
+    PROMETHEUS_CONTENT_TYPE,
+    EngineSnapshot,
+    metric_families,
+    snapshot_engine,
+    stats_dict,
+)
+from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvtier.server.streaming import (
+    SSE_HEADERS,
+    chat_stream,
+    completion_stream,
+    failure_message,
+    usage_body,
+)
 
 #: Seconds a stats read waits for the engine thread to reach a step boundary.
 SNAPSHOT_TIMEOUT_S = 30.0
 
 #: How often a non-streaming request checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
-
-_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class APIError(Exception):
@@ -73,16 +78,6 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
-
-
-def error_body(
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -132,224 +127,11 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     return f"invalid value for '{param}': {msg}{more}", param
 
 
-# -- engine snapshots -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's and its cache's numbers at one step boundary."""
-
-    stats: CacheStats
-    running: int
-    waiting: int
-    requests_added: int
-    finished: dict[str, int]
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    computed_prompt_tokens: int
-    generation_tokens: int
-    preemptions: int
-    forward_errors: int
-    ttft: Histogram
-    last: dict[str, float | int | None] | None
-
-
-def _copy_histogram(h: Histogram) -> Histogram:
-    copy = Histogram(h.bounds)
-    copy.counts = list(h.counts)
-    copy.sum = h.sum
-    copy.count = h.count
-    return copy
-
-
-def snapshot_engine(engine: Engine) -> EngineSnapshot:
-    """Read everything the stats endpoints report (call it on the engine's thread)."""
-    c = engine.counters
-    return EngineSnapshot(
-        stats=engine.manager.stats(),
-        running=engine.num_running,
-        waiting=engine.num_waiting,
-        requests_added=c.requests_added,
-        finished=dict(c.finished),
-        prompt_tokens=c.prompt_tokens,
-        cached_prompt_tokens=c.cached_prompt_tokens,
-        computed_prompt_tokens=c.computed_prompt_tokens,
-        generation_tokens=c.generation_tokens,
-        preemptions=c.preemptions,
-        forward_errors=c.forward_errors,
-        ttft=_copy_histogram(c.ttft),
-        last=None if c.last is None else c.last.as_dict(),
-    )
-
-
-_STATS_FIELDS = (
-    "hit_tokens",
-    "queried_tokens",
-    "hit_ratio",
-    "evictions",
-    "cascade_evictions",
-    "usage",
-    "used_blocks",
-    "free_blocks",
-    "empty_blocks",
-    "cached_blocks",
-    "total_blocks",
-    "num_requests",
-    "allocations",
-    "allocation_failures",
-    "declined_blocks",
-    "duplicate_blocks",
-    "cow_copies",
-    "callback_errors",
-    "policy",
-    "extra",
-)
-
-
-def stats_dict(stats: CacheStats) -> dict[str, Any]:
-    """The fields of a :class:`~kvtier.manager.CacheStats` as plain JSON data."""
-    if dataclasses.is_dataclass(stats):
-        names = [f.name for f in dataclasses.fields(stats)]
-    else:  # pragma: no cover - a compiled CacheStats without dataclass metadata
-        names = [n for n in _STATS_FIELDS if hasattr(stats, n)]
-    out: dict[str, Any] = {}
-    for name in names:
-        value = getattr(stats, name)
-        out[name] = dict(value) if isinstance(value, dict) else value
-    return out
-
-
-def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
-    """The Prometheus metric families for one snapshot."""
-    s = snap.stats
-    finished = MetricFamily(
-        "kvtier_requests_finished_total", "counter", "Requests finished, by finish reason."
-    )
-    for reason in sorted({*_FINISH_REASONS, *snap.finished}):
-        finished.add(snap.finished.get(reason, 0), reason=reason)
-    return [
-        MetricFamily(
-            "kvtier_prefix_cache_hit_tokens_total",
-            "counter",
-            "Prompt tokens found in the prefix cache.",
-        ).add(s.hit_tokens),
-        MetricFamily(
-            "kvtier_prefix_cache_queried_tokens_total",
-            "counter",
-            "Prompt tokens looked up in the prefix cache.",
-        ).add(s.queried_tokens),
-        MetricFamily(
-            "kvtier_prefix_cache_hit_ratio",
-            "gauge",
-            "Prefix-cache hit tokens / queried tokens since start.",
-        ).add(s.hit_ratio),
-        MetricFamily("kvtier_kv_blocks_used", "gauge", "KV blocks held by requests.").add(
-            s.used_blocks
-        ),
-        MetricFamily(
-            "kvtier_kv_blocks_free", "gauge", "KV blocks free or evictable (cached, unreferenced)."
-        ).add(s.free_blocks),
-        MetricFamily(
-            "kvtier_kv_blocks_cached", "gauge", "KV blocks holding a reusable prefix."
-        ).add(s.cached_blocks),
-        MetricFamily("kvtier_kv_blocks_total", "gauge", "KV blocks in the pool.").add(
-            s.total_blocks
-        ),
-        MetricFamily("kvtier_kv_cache_usage", "gauge", "Share of KV blocks in use (0 to 1).").add(
-            s.usage
-        ),
-        MetricFamily(
-            "kvtier_kv_evictions_total", "counter", "Cached KV blocks evicted to make room."
-        ).add(s.evictions),
-        MetricFamily(
-            "kvtier_kv_cascade_evictions_total",
-            "counter",
-            "Cached KV blocks dropped because their prefix parent was evicted.",
-        ).add(s.cascade_evictions),
-        MetricFamily("kvtier_requests_running", "gauge", "Requests being generated.").add(
-            snap.running
-        ),
-        MetricFamily("kvtier_requests_waiting", "gauge", "Requests waiting to be scheduled.").add(
-            snap.waiting
-        ),
-        MetricFamily("kvtier_requests_total", "counter", "Requests accepted by the engine.").add(
-            snap.requests_added
-        ),
-        finished,
-        MetricFamily("kvtier_prompt_tokens_total", "counter", "Prompt tokens of all requests.").add(
-            snap.prompt_tokens
-        ),
-        MetricFamily(
-            "kvtier_prompt_tokens_cached_total",
-            "counter",
-            "Prompt tokens served from the prefix cache at admission.",
-        ).add(snap.cached_prompt_tokens),
-        MetricFamily(
-            "kvtier_prompt_tokens_computed_total",
-            "counter",
-            "Prompt (and resumed) tokens run through the model.",
-        ).add(snap.computed_prompt_tokens),
-        MetricFamily("kvtier_generation_tokens_total", "counter", "Tokens generated.").add(
-            snap.generation_tokens
-        ),
-        MetricFamily(
-            "kvtier_time_to_first_token_seconds",
-            "histogram",
-            "Time from a request's arrival to its first generated token.",
-        ).add(snap.ttft),
-        MetricFamily(
-            "kvtier_preemptions_total",
-            "counter",
-            "Running requests preempted for lack of KV blocks.",
-        ).add(snap.preemptions),
-        MetricFamily(
-            "kvtier_forward_errors_total", "counter", "Requests that failed in the model."
-        ).add(snap.forward_errors),
-    ]
-
-
 # -- the application -----------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def _closing(
-    outs: AsyncIterator[RequestOutput],
-) -> AsyncIterator[AsyncIterator[RequestOutput]]:
-    """Close an async generator on exit, so its cleanup (cancelling the request) runs now."""
-    try:
-        yield outs
-    finally:
-        aclose = getattr(outs, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    m = out.metrics
-    return {
-        "prompt_tokens": m.prompt_tokens,
-        "completion_tokens": m.completion_tokens,
-        "total_tokens": m.prompt_tokens + m.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-    }
-
-
-def _failure_message(out: RequestOutput) -> str:
-    if out.finish_reason == "abort":
-        return "the request was cancelled"
-    return f"generation failed: {out.error or 'unknown engine error'}"
-
-
-def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
@@ -446,7 +228,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
         last: list[RequestOutput] = []
 
         async def consume() -> None:
-            async with _closing(handle.stream()) as outs:
+            async with contextlib.aclosing(handle.stream()) as outs:
                 async for out in outs:
                     parts.append(out.text)
                     last.append(out)
@@ -480,11 +262,11 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             return StreamingResponse(
                 stream(handle, rid, now, served_model_name, include_usage),
                 media_type="text/event-stream",
-                headers=_SSE_HEADERS,
+                headers=SSE_HEADERS,
             )
         text, last = await collect(handle, request)
         if last.finish_reason not in ("stop", "length"):
-            raise APIError(500, _failure_message(last), type="server_error")
+            raise APIError(500, failure_message(last), type="server_error")
         return JSONResponse(
             {
                 "id": rid,
@@ -499,7 +281,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                         "finish_reason": last.finish_reason,
                     }
                 ],
-                "usage": _usage(last),
+                "usage": usage_body(last),
                 "system_fingerprint": None,
             }
         )
@@ -524,7 +306,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             "chat.completion",
             body.streaming,
             body.include_usage,
-            _chat_stream,
+            chat_stream,
             lambda text: {"message": {"role": "assistant", "content": text, "refusal": None}},
         )
 
@@ -549,7 +331,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             "text_completion",
             body.streaming,
             body.include_usage,
-            _completion_stream,
+            completion_stream,
             lambda text: {"text": text},
         )
 
@@ -621,117 +403,6 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
         }
 
     return app
-
-
-# -- streaming --------------------------------------------------------------------------
-
-
-async def _stream_outputs(
-    handle: RequestHandle,
-    on_output: Callable[[RequestOutput], list[dict[str, Any]]],
-    on_usage: Callable[[RequestOutput], dict[str, Any]] | None,
-) -> AsyncIterator[bytes]:
-    """SSE events for a request's outputs, a usage event, then ``[DONE]``.
-
-    A request that ends in an error sends an OpenAI error event instead of its
-    final chunk. If the client disconnects, the request is cancelled.
-    """
-    try:
-        async with _closing(handle.stream()) as outs:
-            async for out in outs:
-                if out.finished and out.finish_reason not in ("stop", "length"):
-                    yield _sse(error_body(_failure_message(out), type="server_error"))
-                    break
-                for chunk in on_output(out):
-                    yield _sse(chunk)
-                if out.finished and on_usage is not None:
-                    yield _sse(on_usage(out))
-        yield _sse("[DONE]")
-    finally:
-        if not handle.finished:
-            handle.cancel()
-
-
-def _chat_stream(
-    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
-) -> AsyncIterator[bytes]:
-    first = [True]
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return body
-
-    def on_output(out: RequestOutput) -> list[dict[str, Any]]:
-        chunks: list[dict[str, Any]] = []
-        if first[0]:
-            first[0] = False
-            chunks.append(chunk({"role": "assistant", "content": ""}, None))
-        if out.text:
-            chunks.append(chunk({"content": out.text}, None))
-        if out.finished:
-            chunks.append(chunk({}, out.finish_reason))
-        return chunks
-
-    def on_usage(out: RequestOutput) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [],
-            "usage": _usage(out),
-        }
-
-    return _stream_outputs(handle, on_output, on_usage if include_usage else None)
-
-
-def _completion_stream(
-    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
-) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return body
-
-    def on_output(out: RequestOutput) -> list[dict[str, Any]]:
-        if out.finished:
-            return [chunk(out.text, out.finish_reason)]
-        return [chunk(out.text, None)] if out.text else []
-
-    def on_usage(out: RequestOutput) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [],
-            "usage": _usage(out),
-        }
-
-    return _stream_outputs(handle, on_output, on_usage if include_usage else None)
 
 
 def _version() -> str:

@@ -191,3 +191,14 @@ class CompletionRequest(_Sampling):
         if isinstance(first, str):
             return first
         return list(first)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,156 @@
+"""What the stats endpoints report: engine snapshots, Prometheus families, JSON stats.
+
+A snapshot is taken on the engine's thread, between steps, so the numbers
+of one scrape are consistent with each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.engine.engine import Engine
+from kvtier.manager import CacheStats
+from kvtier.obs.metrics import Histogram, MetricFamily
+
+#: Content type of the Prometheus text exposition format.
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's and its cache's numbers at one step boundary."""
+
+    stats: CacheStats
+    running: int
+    waiting: int
+    requests_added: int
+    finished: dict[str, int]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    computed_prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    forward_errors: int
+    ttft: Histogram
+    last: dict[str, float | int | None] | None
+
+
+def snapshot_engine(engine: Engine) -> EngineSnapshot:
+    """Read everything the stats endpoints report (call it on the engine's thread)."""
+    c = engine.counters
+    return EngineSnapshot(
+        stats=engine.manager.stats(),
+        running=engine.num_running,
+        waiting=engine.num_waiting,
+        requests_added=c.requests_added,
+        finished=dict(c.finished),
+        prompt_tokens=c.prompt_tokens,
+        cached_prompt_tokens=c.cached_prompt_tokens,
+        computed_prompt_tokens=c.computed_prompt_tokens,
+        generation_tokens=c.generation_tokens,
+        preemptions=c.preemptions,
+        forward_errors=c.forward_errors,
+        ttft=c.ttft.copy(),
+        last=None if c.last is None else c.last.as_dict(),
+    )
+
+
+def stats_dict(stats: CacheStats) -> dict[str, Any]:
+    """The fields of a :class:`~kvtier.manager.CacheStats` as plain JSON data."""
+    return {
+        f.name: dict(v) if isinstance(v := getattr(stats, f.name), dict) else v
+        for f in dataclasses.fields(stats)
+    }
+
+
+def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
+    """The Prometheus metric families for one snapshot."""
+    s = snap.stats
+    finished = MetricFamily(
+        "kvtier_requests_finished_total", "counter", "Requests finished, by finish reason."
+    )
+    for reason in sorted({*_FINISH_REASONS, *snap.finished}):
+        finished.add(snap.finished.get(reason, 0), reason=reason)
+    return [
+        MetricFamily(
+            "kvtier_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+        ).add(s.hit_tokens),
+        MetricFamily(
+            "kvtier_prefix_cache_queried_tokens_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+        ).add(s.queried_tokens),
+        MetricFamily(
+            "kvtier_prefix_cache_hit_ratio",
+            "gauge",
+            "Prefix-cache hit tokens / queried tokens since start.",
+        ).add(s.hit_ratio),
+        MetricFamily("kvtier_kv_blocks_used", "gauge", "KV blocks held by requests.").add(
+            s.used_blocks
+        ),
+        MetricFamily(
+            "kvtier_kv_blocks_free", "gauge", "KV blocks free or evictable (cached, unreferenced)."
+        ).add(s.free_blocks),
+        MetricFamily(
+            "kvtier_kv_blocks_cached", "gauge", "KV blocks holding a reusable prefix."
+        ).add(s.cached_blocks),
+        MetricFamily("kvtier_kv_blocks_total", "gauge", "KV blocks in the pool.").add(
+            s.total_blocks
+        ),
+        MetricFamily("kvtier_kv_cache_usage", "gauge", "Share of KV blocks in use (0 to 1).").add(
+            s.usage
+        ),
+        MetricFamily(
+            "kvtier_kv_evictions_total", "counter", "Cached KV blocks evicted to make room."
+        ).add(s.evictions),
+        MetricFamily(
+            "kvtier_kv_cascade_evictions_total",
+            "counter",
+            "Cached KV blocks dropped because their prefix parent was evicted.",
+        ).add(s.cascade_evictions),
+        MetricFamily("kvtier_requests_running", "gauge", "Requests being generated.").add(
+            snap.running
+        ),
+        MetricFamily("kvtier_requests_waiting", "gauge", "Requests waiting to be scheduled.").add(
+            snap.waiting
+        ),
+        MetricFamily("kvtier_requests_total", "counter", "Requests accepted by the engine.").add(
+            snap.requests_added
+        ),
+        finished,
+        MetricFamily("kvtier_prompt_tokens_total", "counter", "Prompt tokens of all requests.").add(
+            snap.prompt_tokens
+        ),
+        MetricFamily(
+            "kvtier_prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens served from the prefix cache at admission.",
+        ).add(snap.cached_prompt_tokens),
+        MetricFamily(
+            "kvtier_prompt_tokens_computed_total",
+            "counter",
+            "Prompt (and resumed) tokens run through the model.",
+        ).add(snap.computed_prompt_tokens),
+        MetricFamily("kvtier_generation_tokens_total", "counter", "Tokens generated.").add(
+            snap.generation_tokens
+        ),
+        MetricFamily(
+            "kvtier_time_to_first_token_seconds",
+            "histogram",
+            "Time from a request's arrival to its first generated token.",
+        ).add(snap.ttft),
+        MetricFamily(
+            "kvtier_preemptions_total",
+            "counter",
+            "Running requests preempted for lack of KV blocks.",
+        ).add(snap.preemptions),
+        MetricFamily(
+            "kvtier_forward_errors_total", "counter", "Requests that failed in the model."
+        ).add(snap.forward_errors),
+    ]
