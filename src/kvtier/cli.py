@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvtier import __version__
 from kvtier.errors import ConfigError, KvTierError
@@ -387,6 +388,37 @@ def _client_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def _tier_specs(args: argparse.Namespace) -> list[Any]:
+    """The tiers the serve flags ask for, fastest first."""
+    from kvtier.offload.config import TierSpec
+
+    specs: list[Any] = []
+    if args.host_tier:
+        specs.append(TierSpec("host", args.host_tier, codec=args.host_codec, policy=args.policy))
+    if args.disk_tier:
+        specs.append(
+            TierSpec(
+                "disk",
+                args.disk_tier_size,
+                codec=args.disk_codec,
+                policy=args.policy,
+                path=os.path.expanduser(args.disk_tier),
+            )
+        )
+    if args.redis_url:
+        specs.append(
+            TierSpec(
+                "redis",
+                args.redis_tier_size,
+                codec=args.redis_codec,
+                policy=args.policy,
+                url=args.redis_url,
+                cluster=args.redis_cluster,
+            )
+        )
+    return specs
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         raise ConfigError(
@@ -438,6 +470,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             prefix_caching=not args.no_prefix_caching,
+            tiers=_tier_specs(args),
+            write_mode=args.write_mode,
         )
         if args.default_temperature is not None:
             engine.sampling_defaults["temperature"] = args.default_temperature
@@ -460,6 +494,16 @@ def _serve(args: argparse.Namespace) -> int:
             f"temperature {d.get('temperature', 1.0)}, top_p {d.get('top_p', 1.0)}",
             flush=True,
         )
+        if engine.tiers is not None:
+            for tier in engine.tiers.tiers:
+                fmt = tier.fmt
+                size = tier.capacity * (fmt.blob_size if fmt else 0)
+                print(
+                    f"kvtier: {tier.name} tier: {tier.capacity} blocks "
+                    f"({size / 2**20:.0f} MiB, codec {tier.codec.name}, "
+                    f"policy {tier.manager.policy.name}); {engine.tiers.write_mode}",
+                    flush=True,
+                )
         worker = EngineWorker(engine).start()
         try:
             app = create_app(worker, served_model_name=name)
@@ -483,6 +527,7 @@ def _serve(args: argparse.Namespace) -> int:
             print("kvtier: server stopped", flush=True)
         finally:
             worker.stop()
+            engine.close()
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr, flush=True)
         return 130
@@ -591,6 +636,56 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--no-prefix-caching",
         action="store_true",
         help="keep every request's KV blocks private (no reuse across requests)",
+    )
+    tiers = serve.add_argument_group(
+        "offload tiers",
+        "Blocks the device evicts move down to these tiers (write-back) and come back on a "
+        "later hit; all are optional and may be combined (host, then disk, then Redis).",
+    )
+    codecs = ("raw", "int8", "fp8")
+    tiers.add_argument(
+        "--host-tier",
+        type=_arg(parse_memory_size, "memory size"),
+        metavar="SIZE",
+        help="host-memory tier size, e.g. 4GiB (pinned when CUDA is present)",
+    )
+    tiers.add_argument("--host-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--disk-tier",
+        metavar="DIR",
+        help="directory of a disk tier; blocks survive restarts and are found again",
+    )
+    tiers.add_argument(
+        "--disk-tier-size",
+        type=_arg(parse_memory_size, "memory size"),
+        default=16 * 2**30,
+        metavar="SIZE",
+        help="disk tier size (default 16GiB)",
+    )
+    tiers.add_argument("--disk-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="a Redis tier shared by many engines, e.g. redis://127.0.0.1:6379/0",
+    )
+    tiers.add_argument(
+        "--redis-cluster", action="store_true", help="the Redis URL names a Redis Cluster node"
+    )
+    tiers.add_argument(
+        "--redis-tier-size",
+        type=_arg(parse_memory_size, "memory size"),
+        default=16 * 2**30,
+        metavar="SIZE",
+        help="blocks this engine tracks in Redis, as bytes (default 16GiB); the server's "
+        "maxmemory policy bounds what Redis really keeps",
+    )
+    tiers.add_argument("--redis-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--write-mode",
+        choices=("write_back", "write_through"),
+        default="write_back",
+        help="write_back: store a block below when the device evicts it (default); "
+        "write_through: store every computed block on every tier at once",
     )
     serve.add_argument(
         "--log-level",

@@ -434,6 +434,10 @@ class KVCacheManager:
         del req.tail[:cut]
         return req.keys + more
 
+    def block_keys(self, request_id: RequestId) -> list[int]:
+        """Keys of the request's leading full blocks that are published (a copy)."""
+        return list(self._get(request_id).keys)
+
     def free(self, request_id: RequestId) -> None:
         """End a request; its published blocks stay cached until evicted."""
         req = self._get(request_id)

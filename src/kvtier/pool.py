@@ -28,7 +28,7 @@ the pool exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -70,6 +70,10 @@ class BlockPool:
         self.evictions = 0
         self.cascade_evictions = 0
         self.declined = 0
+        #: Called with the ``(keys, blocks)`` that eviction (never a withdrawal)
+        #: is about to free, while their payloads are still intact: the tier
+        #: chain copies them down before allocate hands the blocks out again.
+        self.evict_listener: Callable[[list[int], list[int]], None] | None = None
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -245,6 +249,9 @@ class BlockPool:
         free = self._free
         evicted = 0
         cascaded = False
+        listener = self.evict_listener
+        if listener is not None:
+            self._announce(victims, listener)
         for key in victims:
             b = cached.pop(key, None)
             if b is None:
@@ -268,6 +275,35 @@ class BlockPool:
             free.append(b)
             evicted += 1
         self.evictions += evicted
+
+    def _announce(
+        self, victims: list[int], listener: Callable[[list[int], list[int]], None]
+    ) -> None:
+        """Tell ``listener`` about ``victims`` and their cached subtrees, children first."""
+        cached = self._cached
+        block_key = self.block_key
+        keys: list[int] = []
+        blocks: list[int] = []
+        seen: set[int] = set()
+        for key in victims:
+            b = cached.get(key, -1)
+            if b < 0 or b in seen:
+                continue
+            order: list[int] = []
+            stack = [b]
+            while stack:
+                x = stack.pop()
+                order.append(x)
+                stack.extend(self.children_of(x))
+            for x in reversed(order):
+                if x not in seen:
+                    seen.add(x)
+                    k = block_key[x]
+                    if k is not None:
+                        keys.append(k)
+                        blocks.append(x)
+        if keys:
+            listener(keys, blocks)
 
     def _evict_subtree(self, root: int) -> None:
         """Evict the cached descendants of block ``root`` to the free list, children first."""

@@ -36,6 +36,8 @@ from kvtier.errors import BadRequestError, ConfigError, KvTierError, OutOfBlocks
 from kvtier.keys import Namespace
 from kvtier.manager import KVCacheManager
 from kvtier.obs.metrics import Histogram
+from kvtier.offload.chain import SwappedRequest, Tier, TierChain
+from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
 from kvtier.storage import KVBlockStorage
 
@@ -123,6 +125,8 @@ class _Request:
     pending: int | None = None
     cancelled: bool = False
     admissions: int = 0
+    #: Where a preempted request's blocks went (with tiers configured).
+    swapped: SwappedRequest | None = None
 
 
 @dataclass
@@ -133,6 +137,8 @@ class EngineCounters:
     finished: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    #: Prompt tokens whose blocks were loaded from a tier below the device.
+    loaded_prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -166,6 +172,8 @@ class Engine:
         max_model_len: int | None = None,
         prefix_caching: bool = True,
         sampling_defaults: dict[str, float] | None = None,
+        tiers: Sequence[Tier | TierSpec] = (),
+        write_mode: str = "write_back",
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -197,6 +205,14 @@ class Engine:
                 f"max_model_len {max_model_len} exceeds the KV pool ({num_blocks} blocks of "
                 f"{block_size} = {pool_len} tokens): raise kv_cache_bytes or num_blocks"
             )
+        #: The tiers below the device (``None`` without tiers).
+        built = [
+            t.build(self.storage.block_shape, self.storage.dtype) if isinstance(t, TierSpec) else t
+            for t in tiers
+        ]
+        self.tiers: TierChain | None = (
+            TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
+        )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
@@ -309,6 +325,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def close(self) -> None:
+        """Finish background tier writes and close the tiers' media."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -320,6 +341,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then decode one token for each running request."""
         outs: list[RequestOutput] = []
+        if self.tiers is not None:
+            self.tiers.poll()
         for req in [r for r in (*self._waiting, *self._running) if r.cancelled]:
             self._finish(req, "abort", "", outs)
         fresh = self._admit(outs)
@@ -349,9 +372,24 @@ class Engine:
             tokens = req.prompt_ids + req.generated
             extra = () if self.prefix_caching else (f"private:{req.request_id}:{req.admissions}",)
             try:
-                cache = KvTierCache(
-                    self.storage, self.manager, req.request_id, tokens, extra_keys=extra
-                )
+                if req.swapped is not None and self.tiers is not None:
+                    cache = KvTierCache.swap_in(
+                        req.swapped,
+                        self.storage,
+                        self.manager,
+                        self.tiers,
+                        token_ids=tokens,
+                        extra_keys=extra,
+                    )
+                else:
+                    cache = KvTierCache(
+                        self.storage,
+                        self.manager,
+                        req.request_id,
+                        tokens,
+                        extra_keys=extra,
+                        tiers=self.tiers,
+                    )
             except OutOfBlocksError as exc:
                 if self._running:
                     break  # wait for running requests to finish and free blocks
@@ -368,6 +406,8 @@ class Engine:
             req.admissions += 1
             req.cache = cache
             req.pending = None
+            req.swapped = None
+            self.counters.loaded_prompt_tokens += cache.num_loaded_tokens
             self._running.append(req)
             fresh.add(req)
             self.counters.computed_prompt_tokens += len(tokens) - cache.num_cached_tokens
@@ -446,7 +486,14 @@ class Engine:
                 error="out of KV cache blocks with no other request to wait for",
             )
             return
-        cache.release()
+        if self.tiers is not None and self.prefix_caching:
+            try:
+                req.swapped = cache.swap_out()
+            except KvTierError:
+                log.exception("swapping out request %s failed; it will recompute", req.request_id)
+                cache.release()
+        else:
+            cache.release()
         req.cache = None
         self._running.remove(req)
         self._waiting.appendleft(req)

@@ -32,6 +32,7 @@ from kvtier.errors import BadRequestError, ConfigError, KvTierError
 from kvtier.keys import ExtraKey
 from kvtier.layout import DTYPE_BYTES, KVLayout, cdiv
 from kvtier.manager import KVCacheManager, RequestId
+from kvtier.offload.chain import SwappedRequest, TierChain
 from kvtier.storage import KVBlockStorage
 
 _HOOK_ATTR = "_kvtier_cache_hook"
@@ -141,6 +142,7 @@ class KvTierCache(Cache):
         prompt_ids: Sequence[int],
         *,
         extra_keys: Sequence[ExtraKey] = (),
+        tiers: TierChain | None = None,
     ) -> None:
         if storage.layout.block_size != manager.block_size:
             raise ConfigError(
@@ -153,10 +155,42 @@ class KvTierCache(Cache):
                 f"{manager.pool.num_blocks}: size them alike"
             )
         ids = _as_ids(prompt_ids, "prompt_ids")
+        if tiers is not None and (tiers.storage is not storage or tiers.manager is not manager):
+            raise ConfigError("the tier chain was built for another storage or manager")
         alloc = manager.allocate(request_id, ids, extra_keys=extra_keys)
-        self._init(storage, manager, request_id, ids, alloc.block_table, alloc.num_cached_tokens)
+        cached = alloc.num_cached_tokens
+        loaded = 0
+        if tiers is not None:
+            try:
+                loaded = self._promote(tiers, manager, request_id, alloc.block_table, cached, ids)
+            except BaseException:
+                manager.abort(request_id, cached)
+                raise
+        self._init(storage, manager, request_id, ids, alloc.block_table, cached + loaded)
+        self._tiers: TierChain | None = tiers
         #: Prompt tokens whose K/V came from the cache (not computed here).
-        self.num_cached_tokens = alloc.num_cached_tokens
+        self.num_cached_tokens = cached + loaded
+        #: Of those, tokens loaded from a tier below the device.
+        self.num_loaded_tokens = loaded
+
+    @staticmethod
+    def _promote(
+        tiers: TierChain,
+        manager: KVCacheManager,
+        request_id: RequestId,
+        table: BlockTable,
+        cached: int,
+        ids: list[int],
+    ) -> int:
+        """Load prompt blocks past the device hit from the tiers; returns the tokens loaded."""
+        bs = manager.block_size
+        start = cached // bs
+        # The last prompt token is always computed (its logits are needed).
+        limit = (len(ids) - 1) // bs
+        if limit <= start:
+            return 0
+        keys = manager.block_keys(request_id)[start:limit]
+        return tiers.load(keys, table.blocks[start : start + len(keys)]) * bs
 
     def _init(
         self,
@@ -175,6 +209,8 @@ class KvTierCache(Cache):
         self._computed = computed
         self._pass: _Pass | None = None
         self._open = True
+        self._tiers = None
+        self.num_loaded_tokens = 0
         super().__init__(
             layers=[_KvTierLayer(self, i, computed) for i in range(storage.layout.num_layers)]
         )
@@ -269,7 +305,17 @@ class KvTierCache(Cache):
         if idx == len(self.layers) - 1:
             self._computed = p.end
             self._pass = None
+            tiers = self._tiers
+            if tiers is not None and tiers.write_mode == "write_through":
+                self._write_through(tiers, p.start, p.end)
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    def _write_through(self, tiers: TierChain, start: int, end: int) -> None:
+        bs = self.manager.block_size
+        first, last = start // bs, end // bs
+        if last > first:
+            keys = self.manager.block_keys(self.request_id)[first:last]
+            tiers.store_computed(keys, self._table.blocks[first : first + len(keys)])
 
     # -- lifecycle ------------------------------------------------------------------
     def fork(self, request_id: RequestId) -> KvTierCache:
@@ -283,7 +329,72 @@ class KvTierCache(Cache):
             self.storage, self.manager, request_id, list(self._tokens), table, self._computed
         )
         other.num_cached_tokens = self._computed
+        other._tiers = self._tiers
         return other
+
+    def swap_out(self) -> SwappedRequest:
+        """Move this request's computed blocks to the first tier and free them here.
+
+        The cache is closed afterwards; :meth:`swap_in` builds its successor.
+        """
+        self._check_open()
+        if self._tiers is None:
+            raise ConfigError("swap_out needs a KvTierCache built with tiers=TierChain(...)")
+        if self._pass is not None:
+            raise BadRequestError("cannot swap out a KvTierCache in the middle of a forward pass")
+        if self._computed < len(self._tokens):
+            # Tokens fed but not computed have no K/V to keep: forget them first.
+            self.manager.abort(self.request_id, self._computed)
+            tokens = self._tokens[: self._computed]
+            self._open = False
+            return SwappedRequest(self.request_id, tuple(tokens), (), 0, None)
+        swapped = self._tiers.swap_out(self.request_id, self._tokens, self._computed)
+        self._open = False
+        return swapped
+
+    @classmethod
+    def swap_in(
+        cls,
+        swapped: SwappedRequest,
+        storage: KVBlockStorage,
+        manager: KVCacheManager,
+        tiers: TierChain,
+        *,
+        token_ids: Sequence[int] | None = None,
+        extra_keys: Sequence[ExtraKey] = (),
+    ) -> KvTierCache:
+        """Rebuild a swapped-out request: its blocks come back from the device or the tiers.
+
+        ``token_ids`` may extend the swapped tokens (a token sampled but not
+        yet run through the model).
+        """
+        ids = list(swapped.token_ids) if token_ids is None else _as_ids(token_ids, "token_ids")
+        if tuple(ids[: len(swapped.token_ids)]) != swapped.token_ids:
+            raise BadRequestError("token_ids must start with the swapped request's tokens")
+        cache = cls(
+            storage,
+            manager,
+            swapped.request_id,
+            ids,
+            extra_keys=extra_keys,
+            tiers=tiers,
+        )
+        bs = manager.block_size
+        n = swapped.num_computed_tokens
+        full = n // bs
+        if (
+            n % bs
+            and cache._computed == full * bs
+            and swapped.tail_key is not None
+            and tiers.load_tail(swapped, cache._table.blocks[full])
+        ):
+                cache._computed = n
+                for layer in cache.layers:
+                    assert isinstance(layer, _KvTierLayer)
+                    layer.length = n
+                cache.num_cached_tokens = n
+                cache.num_loaded_tokens += n - full * bs
+        return cache
 
     def release(self) -> None:
         """End the request; its full computed blocks stay cached for reuse.

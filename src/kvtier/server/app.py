@@ -376,6 +376,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                 "finished": snap.finished,
                 "prompt_tokens": snap.prompt_tokens,
                 "cached_prompt_tokens": snap.cached_prompt_tokens,
+                "loaded_prompt_tokens": snap.loaded_prompt_tokens,
                 "computed_prompt_tokens": snap.computed_prompt_tokens,
                 "generation_tokens": snap.generation_tokens,
                 "preemptions": snap.preemptions,
@@ -387,6 +388,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                 "max_num_seqs": engine.max_num_seqs,
                 "prefix_caching": engine.prefix_caching,
             },
+            "tiers": snap.tiers,
             "layout": {
                 "num_layers": layout.num_layers,
                 "num_kv_heads": layout.num_kv_heads,

@@ -37,6 +37,9 @@ class EngineSnapshot:
     forward_errors: int
     ttft: Histogram
     last: dict[str, float | int | None] | None
+    loaded_prompt_tokens: int = 0
+    #: Per tier below the device: occupancy and counters (empty without tiers).
+    tiers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -56,6 +59,8 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         forward_errors=c.forward_errors,
         ttft=c.ttft.copy(),
         last=None if c.last is None else c.last.as_dict(),
+        loaded_prompt_tokens=c.loaded_prompt_tokens,
+        tiers={} if engine.tiers is None else engine.tiers.stats(),
     )
 
 
@@ -153,4 +158,52 @@ def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
         MetricFamily(
             "kvtier_forward_errors_total", "counter", "Requests that failed in the model."
         ).add(snap.forward_errors),
+        MetricFamily(
+            "kvtier_loaded_prompt_tokens_total",
+            "counter",
+            "Prompt tokens whose KV was loaded from a tier below the device.",
+        ).add(snap.loaded_prompt_tokens),
+        *tier_families(snap.tiers),
     ]
+
+
+_TIER_ERRORS = {
+    "corrupt": "corrupt_blocks",
+    "vanished": "vanished_blocks",
+    "unavailable": "unavailable_errors",
+    "store_failed": "store_failures",
+    "dropped": "dropped_blocks",
+}
+
+
+def tier_families(tiers: dict[str, dict[str, float]]) -> list[MetricFamily]:
+    """Per-tier metrics (labelled ``tier``); none without tiers."""
+    if not tiers:
+        return []
+    used = MetricFamily("kvtier_tier_blocks", "gauge", "Blocks held by a tier below the device.")
+    cap = MetricFamily("kvtier_tier_capacity_blocks", "gauge", "Blocks a tier can hold.")
+    loaded = MetricFamily(
+        "kvtier_tier_loaded_blocks_total", "counter", "Blocks loaded from a tier to the device."
+    )
+    stored = MetricFamily("kvtier_tier_stored_blocks_total", "counter", "Blocks stored on a tier.")
+    nbytes = MetricFamily(
+        "kvtier_tier_transferred_bytes_total", "counter", "Payload bytes moved to or from a tier."
+    )
+    evicted = MetricFamily("kvtier_tier_evictions_total", "counter", "Blocks a tier evicted.")
+    errors = MetricFamily(
+        "kvtier_tier_errors_total",
+        "counter",
+        "Tier problems: corrupt or vanished blocks (served as misses), unreachable media, "
+        "failed stores, demotions dropped for lack of room.",
+    )
+    for name, d in tiers.items():
+        used.add(d["used_blocks"], tier=name)
+        cap.add(d["capacity_blocks"], tier=name)
+        loaded.add(d["loaded_blocks"], tier=name)
+        stored.add(d["stored_blocks"], tier=name)
+        nbytes.add(d["loaded_bytes"], tier=name, direction="load")
+        nbytes.add(d["stored_bytes"], tier=name, direction="store")
+        evicted.add(d["evictions"], tier=name)
+        for kind, field_name in _TIER_ERRORS.items():
+            errors.add(d[field_name], tier=name, kind=kind)
+    return [used, cap, loaded, stored, nbytes, evicted, errors]

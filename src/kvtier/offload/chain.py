@@ -1,0 +1,675 @@
+"""The tier chain: device blocks above host memory, disk and Redis, with promote and demote.
+
+:class:`TierChain` joins a device (a :class:`~kvtier.KVCacheManager` and the
+:class:`~kvtier.storage.KVBlockStorage` behind it) to an ordered list of
+:class:`Tier` s, fastest first. Each tier is a storage medium, a codec and an
+:class:`~kvtier.offload.OffloadingManager` driven by any kvtier policy.
+
+* **Lookup and promote**: after the device's own prefix hit, :meth:`load`
+  finds how many further keys some tier holds (the first tier that has a key
+  serves it; lookup stops at the first key no tier has), reads them in one
+  batch per tier (tiers in parallel on the transfer engine), verifies every
+  header and checksum, and writes the payloads into the request's device
+  blocks. A corrupt, vanished or unreachable block ends the prefix there: it
+  is counted, dropped from its tier if it is bad, and the engine computes
+  the rest. Nothing unverified reaches the device.
+* **Demote**: with ``write_mode="write_back"`` a block the device evicts is
+  copied to the first tier before the device reuses it, and a block a tier
+  evicts goes down to the next tier. With ``"write_through"`` every block
+  is stored on every tier as soon as it is computed (:meth:`store_computed`),
+  and evictions just drop. Copies to host memory are synchronous (one
+  memcpy); writes to disk and Redis run on the transfer engine from a
+  snapshot, overlapping with the forward pass, and become loadable when they
+  complete (:meth:`poll`).
+* **Swap**: :meth:`swap_out` stores a paused request's blocks, its partial
+  last block included, on the first tier and frees them on the device;
+  :meth:`swap_in` brings them back.
+
+Tier failures never reach the caller: an unreachable Redis is counted, its
+tier is skipped, and it is used again once it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import xxhash
+
+from kvtier.errors import (
+    ConfigError,
+    CorruptBlockError,
+    KvTierError,
+    TierUnavailableError,
+)
+from kvtier.manager import KVCacheManager
+from kvtier.offload.codec import Codec, make_codec, verify
+from kvtier.offload.manager import OffloadingEvent, OffloadingManager
+from kvtier.offload.media import BlockFormat, BlockStore, Stored
+from kvtier.offload.transfer import TransferEngine
+from kvtier.policy.base import EvictionPolicy
+from kvtier.storage import KVBlockStorage
+
+log = logging.getLogger("kvtier.offload")
+
+WriteMode = Literal["write_back", "write_through"]
+WRITE_MODES: tuple[str, ...] = ("write_back", "write_through")
+
+
+@dataclass
+class TierCounters:
+    """What one tier did; exported as metrics."""
+
+    lookups: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    store_failures: int = 0
+    #: Blocks the device evicted that this tier had no room for (lost).
+    dropped_blocks: int = 0
+    corrupt_blocks: int = 0
+    #: Blocks the tier's bookkeeping had but the medium did not (a server evicted them).
+    vanished_blocks: int = 0
+    unavailable_errors: int = 0
+    adopted_blocks: int = 0
+
+
+class Tier:
+    """One storage level below the device: medium + codec + offloading manager."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        capacity_blocks: int,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        codec: str | Codec = "raw",
+        name: str | None = None,
+    ) -> None:
+        self.store = store
+        self.name = name or store.name
+        self.codec = make_codec(codec)
+        self.manager = OffloadingManager(capacity_blocks, policy, medium=self.name)
+        self.counters = TierCounters()
+        self.fmt: BlockFormat | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.manager.capacity
+
+    def __repr__(self) -> str:
+        return (
+            f"Tier({self.name}, {len(self.manager)}/{self.capacity} blocks, "
+            f"codec={self.codec.name}, policy={self.manager.policy.name})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SwappedRequest:
+    """What :meth:`TierChain.swap_out` kept of a request, for :meth:`TierChain.swap_in`."""
+
+    request_id: object
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[object, ...]
+    num_computed_tokens: int
+    #: Key the partial last block was stored under (``None``: no partial block).
+    tail_key: int | None
+    #: The tier the tail went to (index into the chain's tiers).
+    tail_tier: int = 0
+
+
+@dataclass
+class _Batch:
+    """One tier's part of a load: keys, their device blocks, and what came back."""
+
+    tier: int
+    start: int
+    keys: list[int]
+    blocks: list[int]
+    slots: list[int] = field(default_factory=list)
+    job: int = -1
+    stored: list[Stored | None] | None = None
+    error: BaseException | None = None
+
+
+class TierChain:
+    """Device + tiers (see the module docstring)."""
+
+    def __init__(
+        self,
+        storage: KVBlockStorage,
+        manager: KVCacheManager,
+        tiers: Sequence[Tier],
+        *,
+        write_mode: str = "write_back",
+        transfer: TransferEngine | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        if write_mode not in WRITE_MODES:
+            raise ConfigError(
+                f"write_mode must be one of {', '.join(WRITE_MODES)}, got {write_mode!r}"
+            )
+        if not tiers:
+            raise ConfigError("a tier chain needs at least one tier below the device")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be distinct, got {names}")
+        self.storage = storage
+        self.manager = manager
+        self.tiers = list(tiers)
+        self.write_mode: WriteMode = "write_back" if write_mode == "write_back" else "write_through"
+        self.transfer = transfer or TransferEngine(max(2, len(self.tiers)))
+        self._own_transfer = transfer is None
+        ns = namespace or f"{manager.hasher.root:032x}"[:16]
+        self.namespace = ns
+        self._pending: dict[int, tuple[int, list[int], int]] = {}  # job -> (tier, keys, bytes)
+        # Serializes the chain's bookkeeping between the engine thread and
+        # callers that read stats or swap from elsewhere.
+        self._lock = threading.RLock()
+        self._closed = False
+        shape = tuple(storage.block_shape)
+        for tier in self.tiers:
+            fmt = BlockFormat(tier.codec, shape, storage.dtype, ns)
+            tier.fmt = fmt
+            tier.store.bind(fmt, tier.capacity)
+            if tier.store.persistent:
+                self._adopt_persistent(tier)
+        if self.write_mode == "write_back":
+            manager.pool.evict_listener = self._on_device_evict
+
+    # -- restart ---------------------------------------------------------------------
+    def _adopt_persistent(self, tier: Tier) -> None:
+        try:
+            keys = tier.store.scan()
+        except TierUnavailableError as exc:
+            tier.counters.unavailable_errors += 1
+            log.warning("cannot scan the %s tier: %s", tier.name, exc)
+            return
+        if len(keys) > tier.capacity:
+            keys = keys[-tier.capacity :]  # the newest ones
+        adopted = tier.manager.adopt(keys)
+        tier.counters.adopted_blocks += len(adopted)
+        if adopted:
+            log.info("%s tier: found %d blocks from an earlier run", tier.name, len(adopted))
+
+    # -- lookup ------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int]) -> list[int]:
+        """For each leading key some tier holds ready, the index of the first such tier."""
+        with self._lock:
+            self._poll_locked()
+            return self._lookup(keys)
+
+    def _lookup(self, keys: Sequence[int]) -> list[int]:
+        plan: list[int] = []
+        tiers = self.tiers
+        probed: set[int] = set()
+        i = 0
+        n = len(keys)
+        while i < n:
+            key = keys[i]
+            where = -1
+            for t, tier in enumerate(tiers):
+                if tier.manager.is_ready(key):
+                    where = t
+                    break
+            if where < 0:
+                where = self._probe_shared(keys, i, probed)
+                if where < 0:
+                    break
+            plan.append(where)
+            i += 1
+        for t, tier in enumerate(tiers):
+            tier.counters.lookups += 1
+            tier.counters.hit_blocks += plan.count(t)
+        return plan
+
+    def _probe_shared(self, keys: Sequence[int], i: int, probed: set[int]) -> int:
+        """Ask shared media (Redis) about ``keys[i:]``; adopt what they hold. Tier index or -1."""
+        for t, tier in enumerate(self.tiers):
+            if not tier.store.shared or t in probed:
+                continue
+            probed.add(t)
+            rest = [k for k in keys[i:] if k not in tier.manager]
+            if not rest or rest[0] != keys[i]:
+                continue
+            try:
+                present = tier.store.contains(rest)
+            except TierUnavailableError:
+                tier.counters.unavailable_errors += 1
+                continue
+            n = 0
+            while n < len(present) and present[n]:
+                n += 1
+            if n:
+                tier.counters.adopted_blocks += len(tier.manager.adopt(rest[:n]))
+                if tier.manager.is_ready(keys[i]):
+                    return t
+        return -1
+
+    # -- promote -----------------------------------------------------------------------
+    def load(self, keys: Sequence[int], blocks: Sequence[int]) -> int:
+        """Load the leading ``keys`` some tier holds into device ``blocks``; returns how many.
+
+        ``blocks`` are the request's device blocks for ``keys`` (private to it
+        until it is done with them). Only verified payloads are written; the
+        count stops at the first block that could not be loaded.
+        """
+        if len(keys) != len(blocks):
+            raise ConfigError(f"load got {len(keys)} keys but {len(blocks)} blocks")
+        with self._lock:
+            self._poll_locked()
+            plan = self._lookup(keys)
+            if not plan:
+                return 0
+            batches = self._plan_batches(plan, keys, blocks)
+            for b in batches:
+                tier = self.tiers[b.tier]
+                b.slots = tier.manager.prepare_load(b.keys)
+                items = list(zip(b.keys, b.slots, strict=True))
+                if tier.store.name == "host":
+                    try:
+                        b.stored = tier.store.get(items)
+                    except KvTierError as exc:
+                        b.error = exc
+                else:
+                    b.job = self.transfer.submit("load", _Reader(tier.store, items), b.tier)
+            jobs = [b.job for b in batches if b.job >= 0]
+            if jobs:
+                results = {r.job_id: r for r in self.transfer.wait(jobs)}
+                for b in batches:
+                    if b.job >= 0:
+                        r = results[b.job]
+                        if r.ok:
+                            b.stored = r.value
+                        else:
+                            b.error = r.error
+            loaded = 0
+            try:
+                for b in batches:
+                    got = self._install(b)
+                    loaded += got
+                    if got < len(b.keys):
+                        break
+            finally:
+                for b in batches:
+                    self.tiers[b.tier].manager.complete_load(b.keys)
+            return loaded
+
+    @staticmethod
+    def _plan_batches(plan: list[int], keys: Sequence[int], blocks: Sequence[int]) -> list[_Batch]:
+        batches: list[_Batch] = []
+        for i, t in enumerate(plan):
+            if batches and batches[-1].tier == t:
+                batches[-1].keys.append(keys[i])
+                batches[-1].blocks.append(blocks[i])
+            else:
+                batches.append(_Batch(t, i, [keys[i]], [blocks[i]]))
+        return batches
+
+    def _install(self, b: _Batch) -> int:
+        """Verify and write ``b``'s payloads into device blocks; returns the leading count."""
+        tier = self.tiers[b.tier]
+        c = tier.counters
+        if b.error is not None or b.stored is None:
+            if isinstance(b.error, TierUnavailableError):
+                c.unavailable_errors += 1
+            else:
+                log.warning("loading from the %s tier failed: %r", tier.name, b.error)
+                c.unavailable_errors += 1
+            return 0
+        fmt = tier.fmt
+        assert fmt is not None
+        storage = self.storage
+        n = 0
+        bad: list[int] = []
+        for key, block, got in zip(b.keys, b.blocks, b.stored, strict=True):
+            if got is None:
+                c.vanished_blocks += 1
+                bad.append(key)
+                break
+            header, payload = got
+            try:
+                codec = verify(header, payload, key, fmt.block_shape, fmt.dtype)
+                tensor = codec.decode(payload, fmt.block_shape, fmt.dtype)
+            except CorruptBlockError as exc:
+                c.corrupt_blocks += 1
+                log.warning("%s tier: %s; dropping it", tier.name, exc)
+                bad.append(key)
+                break
+            storage.load_block(block, tensor)
+            n += 1
+            c.loaded_blocks += 1
+            c.loaded_bytes += int(payload.numel())
+        if bad:
+            self._forget(tier, bad, b)
+        if n:
+            tier.manager.touch(b.keys[:n])
+        return n
+
+    def _forget(self, tier: Tier, keys: list[int], b: _Batch) -> None:
+        """Drop bad or vanished ``keys`` from ``tier`` (and its medium) now.
+
+        This load's pins on them are released here and the keys leave
+        ``b.keys``, so the caller's ``complete_load(b.keys)`` still balances.
+        """
+        mgr = tier.manager
+        items = [(k, mgr.slot_of(k)) for k in keys]
+        mgr.complete_load(keys)
+        mgr.remove(keys)
+        # The medium may be shared (Redis): a bad value is purged for everyone.
+        purge = getattr(tier.store, "purge", None)
+        try:
+            if purge is not None:
+                purge(items)
+            else:
+                tier.store.delete(items)
+        except KvTierError:
+            tier.counters.unavailable_errors += 1
+        b.keys = [k for k in b.keys if k not in keys]
+
+    # -- demote ------------------------------------------------------------------------
+    def _on_device_evict(self, keys: list[int], blocks: list[int]) -> None:
+        """Pool listener: copy evicted blocks to the first tier before they are reused."""
+        try:
+            with self._lock:
+                self._store_blocks(0, keys, blocks)
+        except Exception:  # a listener must never break the pool's eviction
+            log.exception("demoting %d evicted blocks failed; they are lost", len(keys))
+            self.tiers[0].counters.store_failures += len(keys)
+
+    def store_computed(self, keys: Sequence[int], blocks: Sequence[int]) -> None:
+        """Store freshly computed device blocks on every tier (write-through)."""
+        if not keys:
+            return
+        with self._lock:
+            self._poll_locked()
+            for t in range(len(self.tiers)):
+                self._store_blocks(t, list(keys), list(blocks), cascade=False)
+
+    def _store_blocks(
+        self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
+    ) -> None:
+        """Store device ``blocks`` under ``keys`` on tier ``t``."""
+        payloads = self._encode_device(t, blocks)
+        self._store_payloads(t, keys, payloads, cascade=cascade)
+
+    def _encode_device(self, t: int, blocks: list[int]) -> list[torch.Tensor]:
+        codec = self.tiers[t].codec
+        storage = self.storage
+        if storage.layout_kind == "block":
+            # Views of the device blocks: the host tier copies straight from them.
+            data = storage.tensor
+            return [codec.encode(data[b]) for b in blocks]
+        exported = storage.export_blocks(blocks)
+        return [codec.encode(exported[i]) for i in range(len(blocks))]
+
+    def _store_payloads(
+        self, t: int, keys: list[int], payloads: list[torch.Tensor], *, cascade: bool = True
+    ) -> None:
+        tier = self.tiers[t]
+        mgr = tier.manager
+        out = mgr.prepare_store(keys)
+        # More than the tier can make room for: keep the last keys (a demoted
+        # batch lists children before parents, and parents serve more prefixes).
+        kept = len(keys)
+        while out is None and kept > 1:
+            kept //= 2
+            out = mgr.prepare_store(keys[-kept:])
+        if out is None:
+            tier.counters.dropped_blocks += len(keys)
+            return
+        tier.counters.dropped_blocks += len(keys) - kept
+        if not out.keys_to_store and not out.evicted_keys:
+            return
+        # Evicted blocks go down a tier; read them before their slots are reused.
+        if out.evicted_keys and cascade and self.write_mode == "write_back":
+            self._cascade(t, out.evicted_keys, out.evicted_slots)
+        elif out.evicted_keys and tier.store.name != "host":
+            try:
+                tier.store.delete(list(zip(out.evicted_keys, out.evicted_slots, strict=True)))
+            except KvTierError:
+                tier.counters.unavailable_errors += 1
+        index = {k: i for i, k in enumerate(keys)}
+        items = [
+            (k, s, payloads[index[k]]) for k, s in zip(out.keys_to_store, out.slots, strict=True)
+        ]
+        nbytes = sum(int(p.numel()) for _, _, p in items)
+        if tier.store.name == "host":
+            try:
+                tier.store.put(items)
+            except Exception:
+                log.exception("storing %d blocks on the %s tier failed", len(items), tier.name)
+                mgr.complete_store(out.keys_to_store, success=False)
+                tier.counters.store_failures += len(items)
+                return
+            mgr.complete_store(out.keys_to_store, success=True)
+            tier.counters.stored_blocks += len(items)
+            tier.counters.stored_bytes += nbytes
+            return
+        # A snapshot: the device blocks (or host slots) may be reused before the write runs.
+        snap = [(k, s, p.clone()) for k, s, p in items]
+        job = self.transfer.submit("store", _Writer(tier.store, snap), t)
+        self._pending[job] = (t, out.keys_to_store, nbytes)
+
+    def _cascade(self, t: int, keys: list[int], slots: list[int]) -> None:
+        """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``."""
+        tier = self.tiers[t]
+        if t + 1 >= len(self.tiers):
+            if tier.store.name != "host":
+                try:
+                    tier.store.delete(list(zip(keys, slots, strict=True)))
+                except KvTierError:
+                    tier.counters.unavailable_errors += 1
+            return
+        if tier.store.name != "host":
+            # Payloads on disk or in Redis would need a read to move down;
+            # the lower tier keeps what write-through or earlier demotions put there.
+            return
+        try:
+            got = tier.store.get(list(zip(keys, slots, strict=True)))
+        except KvTierError:
+            return
+        fmt = tier.fmt
+        assert fmt is not None
+        below = self.tiers[t + 1]
+        down_keys: list[int] = []
+        down: list[torch.Tensor] = []
+        for key, stored in zip(keys, got, strict=True):
+            if stored is None:
+                continue
+            payload = stored[1]
+            if below.codec.codec_id == tier.codec.codec_id:
+                down.append(payload.clone())
+            else:
+                block = tier.codec.decode(payload, fmt.block_shape, fmt.dtype)
+                down.append(below.codec.encode(block).clone())
+            down_keys.append(key)
+        if down_keys:
+            self._store_payloads(t + 1, down_keys, down)
+
+    # -- completion ------------------------------------------------------------------------
+    def poll(self) -> int:
+        """Finish background stores that completed; returns how many jobs ended."""
+        with self._lock:
+            return self._poll_locked()
+
+    def _poll_locked(self) -> int:
+        done = self.transfer.get_finished()
+        handled = 0
+        for r in done:
+            if r.kind != "store":
+                continue
+            meta = self._pending.pop(r.job_id, None)
+            if meta is None:
+                continue
+            handled += 1
+            t, keys, nbytes = meta
+            tier = self.tiers[t]
+            if r.ok:
+                tier.manager.complete_store(keys, success=True)
+                tier.counters.stored_blocks += len(keys)
+                tier.counters.stored_bytes += nbytes
+            else:
+                tier.manager.complete_store(keys, success=False)
+                tier.counters.store_failures += len(keys)
+                if isinstance(r.error, TierUnavailableError):
+                    tier.counters.unavailable_errors += 1
+                else:
+                    log.warning("storing on the %s tier failed: %r", tier.name, r.error)
+        return handled
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every background store has completed (or failed)."""
+        with self._lock:
+            jobs = list(self._pending)
+        if jobs:
+            results = self.transfer.wait(jobs, timeout)
+            with self._lock:
+                for r in results:
+                    self.transfer._done[r.job_id] = r
+                self._poll_locked()
+
+    # -- swap ------------------------------------------------------------------------------
+    def swap_out(
+        self,
+        request_id: object,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        *,
+        extra_keys: Sequence[object] = (),
+    ) -> SwappedRequest:
+        """Store a paused request's computed blocks on the first tier and free them.
+
+        Full blocks go under their prefix keys (so other requests can hit
+        them too); the partial last block under a key private to this
+        request. The request's device blocks are released and, where no
+        other request holds them, given back to the free list.
+        """
+        mgr = self.manager
+        with self._lock:
+            self._poll_locked()
+            table = mgr.block_table(request_id)
+            bs = mgr.block_size
+            keys = mgr.block_keys(request_id)
+            n_full = min(len(keys), num_computed_tokens // bs)
+            blocks = table.blocks
+            self._store_blocks(0, keys[:n_full], blocks[:n_full], cascade=True)
+            tail_key: int | None = None
+            rest = num_computed_tokens - n_full * bs
+            if rest > 0 and n_full < len(blocks):
+                tail_key = _tail_key(mgr.hasher.root, request_id, token_ids[:num_computed_tokens])
+                self._store_blocks(0, [tail_key], [blocks[n_full]], cascade=True)
+            mgr.free(request_id)
+            # Blocks nobody else holds leave the device now: that is the point of a swap.
+            mine = [b for b in blocks[n_full:] if mgr.pool.ref[b] == 0]
+            full_free = [b for b in blocks[:n_full] if mgr.pool.ref[b] == 0]
+            listener = mgr.pool.evict_listener
+            mgr.pool.evict_listener = None
+            try:
+                mgr.pool.withdraw(full_free + mine)
+            finally:
+                mgr.pool.evict_listener = listener
+            return SwappedRequest(
+                request_id,
+                tuple(token_ids),
+                tuple(extra_keys),
+                num_computed_tokens,
+                tail_key,
+            )
+
+    def load_tail(self, swapped: SwappedRequest, block: int) -> bool:
+        """Load a swapped request's partial last block into device ``block``."""
+        if swapped.tail_key is None:
+            return False
+        with self._lock:
+            tier = self.tiers[swapped.tail_tier]
+            if not tier.manager.is_ready(swapped.tail_key):
+                return False
+            b = _Batch(swapped.tail_tier, 0, [swapped.tail_key], [block])
+            b.slots = tier.manager.prepare_load(b.keys)
+            try:
+                b.stored = tier.store.get(list(zip(b.keys, b.slots, strict=True)))
+            except KvTierError as exc:
+                b.error = exc
+            try:
+                ok = self._install(b) == 1
+            finally:
+                tier.manager.complete_load(b.keys)
+            if ok:
+                tier.manager.remove([swapped.tail_key])
+            return ok
+
+    # -- stats, events, shutdown -------------------------------------------------------------
+    def take_events(self) -> list[OffloadingEvent]:
+        with self._lock:
+            out: list[OffloadingEvent] = []
+            for tier in self.tiers:
+                out.extend(tier.manager.take_events())
+            return out
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per tier: occupancy and counters."""
+        with self._lock:
+            out: dict[str, dict[str, float]] = {}
+            for tier in self.tiers:
+                d: dict[str, float] = dict(vars(tier.counters))
+                d["capacity_blocks"] = tier.capacity
+                d["used_blocks"] = len(tier.manager)
+                d["evictions"] = tier.manager.evictions
+                out[tier.name] = d
+            return out
+
+    def check(self) -> None:
+        with self._lock:
+            for tier in self.tiers:
+                tier.manager.check()
+
+    def close(self) -> None:
+        """Finish background stores, detach from the device pool and close the media."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        if self.manager.pool.evict_listener == self._on_device_evict:
+            self.manager.pool.evict_listener = None
+        if self._own_transfer:
+            self.transfer.shutdown()
+        for tier in self.tiers:
+            tier.store.close()
+
+
+def _tail_key(root: int, request_id: object, tokens: Sequence[int]) -> int:
+    h = xxhash.xxh3_128()
+    h.update(root.to_bytes(16, "little"))
+    h.update(repr(request_id).encode())
+    h.update(b"\x00swap-tail\x00")
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return int(h.intdigest())
+
+
+class _Reader:
+    """A load job: read items from a medium."""
+
+    def __init__(self, store: BlockStore, items: list[tuple[int, int]]) -> None:
+        self.store = store
+        self.items = items
+
+    def __call__(self) -> list[Stored | None]:
+        return self.store.get(self.items)
+
+
+class _Writer:
+    """A store job: write payload snapshots to a medium."""
+
+    def __init__(self, store: BlockStore, items: list[tuple[int, int, torch.Tensor]]) -> None:
+        self.store = store
+        self.items = items
+
+    def __call__(self) -> None:
+        self.store.put(self.items)

@@ -1,0 +1,283 @@
+"""Codecs for stored KV blocks, and the header plus checksum every stored block carries.
+
+A block leaves the device as one tensor ``[layers, 2, block_size, heads,
+head_dim]``. A codec turns it into a flat uint8 *payload* and back:
+
+* ``raw``: the bytes as they are (lossless);
+* ``int8``: symmetric int8 with one float32 scale per (layer, K/V, head),
+  taken over the block's tokens and head dimension (4x smaller than fp32);
+* ``fp8``: float8 e4m3 with the same per-head scales (the scale maps the
+  head's largest magnitude to e4m3's largest finite value, 448).
+
+Every stored block is ``header + payload``. The header (:data:`HEADER_SIZE`
+bytes) records the format version, the block key, the storage dtype, the
+block shape, the codec, the payload length and an xxh3-64 checksum of the
+payload seeded with the key, and ends with a checksum of its own bytes. So a
+truncated file, a flipped bit, a block read back under another key, or one
+written for another model layout fails :func:`verify` with a
+:class:`~kvtier.CorruptBlockError`; tiers count that and treat it as a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import xxhash
+
+from kvtier.errors import ConfigError, CorruptBlockError
+
+FORMAT_VERSION = 1
+_MAGIC = b"KVTB"
+# magic, version, codec id, dtype id, ndim, 6 dims, key (lo, hi), payload length, checksum
+_HEAD = struct.Struct("<4sHBBB3x6I2QQQ")
+_CHECK = struct.Struct("<I")
+#: Bytes of a stored block's header.
+HEADER_SIZE = _HEAD.size + _CHECK.size
+_MASK64 = (1 << 64) - 1
+
+_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+    torch.uint8: 6,
+}
+_DTYPE_BY_ID = {v: k for k, v in _DTYPES.items()}
+
+
+def payload_checksum(key: int, payload: memoryview | bytes) -> int:
+    """xxh3-64 of ``payload`` seeded with the low 64 bits of ``key``."""
+    return int(xxhash.xxh3_64_intdigest(payload, key & _MASK64))
+
+
+def as_buffer(payload: torch.Tensor) -> memoryview:
+    """A CPU uint8 tensor's bytes as a memoryview, without a copy."""
+    return memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """What :func:`verify` checks before a stored block is decoded."""
+
+    key: int
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload_len: int
+    checksum: int
+    version: int = FORMAT_VERSION
+
+    def pack(self) -> bytes:
+        dims = list(self.shape) + [0] * (6 - len(self.shape))
+        head = _HEAD.pack(
+            _MAGIC,
+            self.version,
+            self.codec_id,
+            _DTYPES[self.dtype],
+            len(self.shape),
+            *dims,
+            self.key & _MASK64,
+            (self.key >> 64) & _MASK64,
+            self.payload_len,
+            self.checksum,
+        )
+        return head + _CHECK.pack(xxhash.xxh32_intdigest(head))
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> BlockHeader:
+        """Parse and self-check a header; :class:`CorruptBlockError` if it is damaged."""
+        if len(data) < HEADER_SIZE:
+            raise CorruptBlockError(f"stored block is {len(data)} bytes, shorter than a header")
+        head = bytes(data[: _HEAD.size])
+        (check,) = _CHECK.unpack_from(data, _HEAD.size)
+        if xxhash.xxh32_intdigest(head) != check:
+            raise CorruptBlockError("stored block header fails its checksum")
+        magic, version, codec_id, dtype_id, ndim, *rest = _HEAD.unpack(head)
+        if magic != _MAGIC:
+            raise CorruptBlockError("stored block does not start with the kvtier magic")
+        if version != FORMAT_VERSION:
+            raise CorruptBlockError(
+                f"stored block has format version {version}; this kvtier reads {FORMAT_VERSION}"
+            )
+        dims, (lo, hi, payload_len, checksum) = rest[:6], rest[6:]
+        if dtype_id not in _DTYPE_BY_ID or not 0 < ndim <= 6:
+            raise CorruptBlockError("stored block header names an unknown dtype or shape")
+        return cls(
+            key=lo | (hi << 64),
+            codec_id=codec_id,
+            dtype=_DTYPE_BY_ID[dtype_id],
+            shape=tuple(dims[:ndim]),
+            payload_len=payload_len,
+            checksum=checksum,
+            version=version,
+        )
+
+
+class Codec(Protocol):
+    """Turns a block tensor into a uint8 payload and back."""
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+
+    def payload_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int: ...
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(
+        self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class RawCodec:
+    """The block's bytes unchanged; decoding returns a view of the payload."""
+
+    name: ClassVar[str] = "raw"
+    codec_id: ClassVar[int] = 0
+
+    def payload_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return _numel(shape) * dtype.itemsize
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        return block.contiguous().view(-1).view(torch.uint8)
+
+    def decode(
+        self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return payload.view(dtype).view(shape)
+
+
+class _ScaledCodec:
+    """Per-(layer, K/V, head) scaled quantization; subclasses pick the element type."""
+
+    name: ClassVar[str] = "scaled"
+    codec_id: ClassVar[int] = -1
+    qdtype: ClassVar[torch.dtype] = torch.int8
+    qmax: ClassVar[float] = 127.0
+
+    def payload_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        layers, two, _, heads, _ = shape
+        return _numel(shape) + 4 * layers * two * heads
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        if block.dim() != 5:
+            raise ConfigError(
+                f"{self.name} codec needs blocks shaped [layers, 2, block_size, heads, dim], "
+                f"got {list(block.shape)}"
+            )
+        x = block.float()
+        # amax over the block's tokens (dim 2) and head_dim (dim 4): one scale per head.
+        amax = x.abs().amax(dim=(2, 4), keepdim=True)
+        scale = (amax / self.qmax).clamp_min(torch.finfo(torch.float32).tiny)
+        q = self._quantize(x / scale).view(torch.uint8).reshape(-1)
+        s = scale.reshape(-1).to(torch.float32).view(torch.uint8)
+        return torch.cat((q, s))
+
+    def decode(
+        self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        layers, two, _, heads, _ = shape
+        n = _numel(shape)
+        q = payload[:n].view(self.qdtype).view(shape)
+        scale = payload[n:].view(torch.float32).view(layers, two, 1, heads, 1)
+        return (q.to(torch.float32) * scale).to(dtype)
+
+
+class Int8Codec(_ScaledCodec):
+    """Symmetric int8 with per-head scales."""
+
+    name: ClassVar[str] = "int8"
+    codec_id: ClassVar[int] = 1
+    qdtype: ClassVar[torch.dtype] = torch.int8
+    qmax: ClassVar[float] = 127.0
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round_().clamp_(-127.0, 127.0).to(torch.int8)
+
+
+class Fp8Codec(_ScaledCodec):
+    """float8 e4m3 with per-head scales."""
+
+    name: ClassVar[str] = "fp8"
+    codec_id: ClassVar[int] = 2
+    qdtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+    qmax: ClassVar[float] = 448.0
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec, Int8Codec, Fp8Codec)}
+_BY_ID: dict[int, type[Codec]] = {c.codec_id: c for c in CODECS.values()}
+
+
+def make_codec(name: str | Codec) -> Codec:
+    """A codec by name (``raw``, ``int8``, ``fp8``), or the instance given."""
+    if not isinstance(name, str):
+        return name
+    try:
+        return CODECS[name]()
+    except KeyError:
+        raise ConfigError(
+            f"unknown codec {name!r}: choose one of {', '.join(sorted(CODECS))}"
+        ) from None
+
+
+def make_header(codec: Codec, key: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                payload: torch.Tensor) -> bytes:
+    """The packed header for ``payload`` (a CPU uint8 tensor) of block ``key``."""
+    return BlockHeader(
+        key=key,
+        codec_id=codec.codec_id,
+        dtype=dtype,
+        shape=tuple(block_shape),
+        payload_len=int(payload.numel()),
+        checksum=payload_checksum(key, as_buffer(payload)),
+    ).pack()
+
+
+def verify(
+    header: bytes | memoryview,
+    payload: torch.Tensor,
+    key: int,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> Codec:
+    """Check a stored block against what the reader expects; returns its codec.
+
+    Raises :class:`CorruptBlockError` on any mismatch: the block must then
+    be dropped and recomputed, never served.
+    """
+    h = BlockHeader.unpack(header)
+    if h.key != key:
+        raise CorruptBlockError(f"stored block names key {h.key:#x}, expected {key:#x}")
+    if h.dtype != dtype or h.shape != tuple(block_shape):
+        raise CorruptBlockError(
+            f"stored block is {h.dtype} {list(h.shape)}, expected {dtype} {list(block_shape)}"
+        )
+    codec_cls = _BY_ID.get(h.codec_id)
+    if codec_cls is None:
+        raise CorruptBlockError(f"stored block names unknown codec id {h.codec_id}")
+    codec = codec_cls()
+    if int(payload.numel()) != h.payload_len or h.payload_len != codec.payload_size(
+        h.shape, dtype
+    ):
+        raise CorruptBlockError(
+            f"stored block payload is {int(payload.numel())} bytes, header says {h.payload_len}"
+        )
+    if payload_checksum(key, as_buffer(payload)) != h.checksum:
+        raise CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
+    return codec

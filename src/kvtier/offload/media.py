@@ -1,0 +1,102 @@
+"""The storage-medium protocol behind every offload tier, and the blob helpers they share.
+
+A medium stores encoded blocks and nothing else: which keys are cached,
+which are pinned and which to evict is the tier's
+:class:`~kvtier.offload.OffloadingManager`'s business. The manager hands out
+integer *slots*; a medium that is an array (host memory) stores block
+``key`` at ``slot``, one that is a namespace (a directory, a Redis keyspace)
+names it by the key and ignores the slot.
+
+Media raise :class:`~kvtier.TierUnavailableError` when they cannot be
+reached (Redis down, disk gone); a block that is absent (a Redis server
+evicted it on its own, a file was deleted) reads back as ``None``. What comes
+back is checked by the tier (:func:`~kvtier.offload.codec.verify`) before
+anything is decoded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvtier.offload.codec import HEADER_SIZE, Codec, make_header
+
+# torch.frombuffer on immutable bytes warns that the tensor is read-only;
+# stored payloads are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+#: A stored block as read back: its header bytes and its payload (CPU uint8).
+Stored = tuple[bytes | memoryview, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """What every block of one tier looks like: codec, shape, dtype, namespace."""
+
+    codec: Codec
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: Hex digest of the key namespace (model, layout, tenant); names keys in shared media.
+    namespace: str = "default"
+
+    @property
+    def payload_size(self) -> int:
+        return self.codec.payload_size(self.block_shape, self.dtype)
+
+    @property
+    def blob_size(self) -> int:
+        """Bytes of one stored block: header plus payload."""
+        return HEADER_SIZE + self.payload_size
+
+
+class BlockStore(Protocol):
+    """A storage medium for encoded blocks (host memory, a directory, Redis)."""
+
+    #: Short name used in metrics and events: ``"host"``, ``"disk"``, ``"redis"``.
+    name: str
+    #: Blocks survive a restart of this process (:meth:`scan` finds them).
+    persistent: bool
+    #: Other processes may add blocks (:meth:`contains` asks the medium itself).
+    shared: bool
+
+    def bind(self, fmt: BlockFormat, capacity: int) -> None:
+        """Called once by the tier before any other call."""
+        ...
+
+    def put(self, items: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Store encoded payloads ``(key, slot, payload)``; all or raise."""
+        ...
+
+    def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
+        """Read ``(key, slot)`` blocks back; ``None`` for one that is absent."""
+        ...
+
+    def delete(self, items: Sequence[tuple[int, int]]) -> None: ...
+
+    def contains(self, keys: Sequence[int]) -> list[bool]:
+        """Whether the medium holds each key (shared media; others may answer False)."""
+        ...
+
+    def scan(self) -> list[int]:
+        """Keys the medium holds now (persistent media; others return [])."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def pack_blob(fmt: BlockFormat, key: int, payload: torch.Tensor) -> bytes:
+    """Header plus payload as one ``bytes`` value (for files and Redis values)."""
+    cpu = payload.cpu() if payload.device.type != "cpu" else payload
+    return make_header(fmt.codec, key, fmt.block_shape, fmt.dtype, cpu) + cpu.numpy().tobytes()
+
+
+def split_blob(blob: bytes | bytearray | memoryview) -> Stored:
+    """The header and payload of a stored blob, without copying the payload."""
+    view = memoryview(blob)
+    if len(view) <= HEADER_SIZE:
+        return view[:HEADER_SIZE], torch.empty(0, dtype=torch.uint8)
+    return view[:HEADER_SIZE], torch.frombuffer(view, dtype=torch.uint8, offset=HEADER_SIZE)

@@ -1,0 +1,143 @@
+"""The transfer engine: tier reads and writes on background threads, batched per job.
+
+A job is one batch (all the blocks one tier reads or writes for one call);
+jobs of different tiers run in parallel. Medium I/O (file writes, Redis round
+trips, host copies) releases the GIL, so threads overlap it with the model's
+forward pass. On CUDA each worker thread issues its copies on its own stream
+and synchronizes that stream before the job counts as done.
+
+Completion is observable without blocking: :meth:`TransferEngine.get_finished`
+returns the jobs that ended since the last call, successful or not; nothing
+raised by a job escapes into the caller, it comes back as the job's error.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """A finished job: its id, what it was, and its value or the error it raised."""
+
+    job_id: int
+    kind: str
+    tag: Any
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class TransferEngine:
+    """A pool of ``max_workers`` threads running tier transfer jobs."""
+
+    def __init__(self, max_workers: int = 4, *, cuda_streams: bool | None = None) -> None:
+        if not isinstance(max_workers, int) or max_workers <= 0:
+            raise ConfigError(f"max_workers must be a positive integer, got {max_workers!r}")
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvtier-transfer")
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._futures: dict[int, Future[Any]] = {}
+        self._done: dict[int, TransferResult] = {}
+        self._meta: dict[int, tuple[str, Any]] = {}
+        self._use_streams = torch.cuda.is_available() if cuda_streams is None else cuda_streams
+        self._local = threading.local()
+        self.submitted = 0
+        self.failed = 0
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        if not self._use_streams:
+            return fn()
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            value = fn()
+        stream.synchronize()
+        return value
+
+    def submit(self, kind: str, fn: Callable[[], Any], tag: Any = None) -> int:
+        """Run ``fn`` in the background; returns the job id."""
+        job = next(self._ids)
+        with self._lock:
+            self._meta[job] = (kind, tag)
+            fut = self._pool.submit(self._run, fn)
+            self._futures[job] = fut
+            self.submitted += 1
+        fut.add_done_callback(functools.partial(self._finish, job))
+        return job
+
+    def _finish(self, job: int, fut: Future[Any]) -> None:
+        # Runs from the done callback and from wait(), whichever comes first:
+        # a future's waiters wake before its callbacks run.
+        with self._lock:
+            meta = self._meta.pop(job, None)
+            if meta is None:
+                return
+            kind, tag = meta
+            self._futures.pop(job, None)
+            exc = fut.exception()
+            if exc is not None:
+                self.failed += 1
+                self._done[job] = TransferResult(job, kind, tag, error=exc)
+            else:
+                self._done[job] = TransferResult(job, kind, tag, value=fut.result())
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._futures)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call (each reported once), in id order."""
+        with self._lock:
+            out = [self._done.pop(j) for j in sorted(self._done)]
+        return out
+
+    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> list[TransferResult]:
+        """Block until ``job_ids`` finish; returns (and consumes) their results.
+
+        Jobs still running after ``timeout`` are left out of the result.
+        """
+        with self._lock:
+            futs = [(j, self._futures[j]) for j in job_ids if j in self._futures]
+        if futs:
+            wait_futures([f for _, f in futs], timeout=timeout)
+            for j, f in futs:
+                if f.done():
+                    self._finish(j, f)
+        out: list[TransferResult] = []
+        with self._lock:
+            for j in job_ids:
+                r = self._done.pop(j, None)
+                if r is not None:
+                    out.append(r)
+        return out
+
+    def drain(self, timeout: float | None = None) -> list[TransferResult]:
+        """Wait for every job in flight; returns every unconsumed result."""
+        with self._lock:
+            futs = list(self._futures.items())
+        if futs:
+            wait_futures([f for _, f in futs], timeout=timeout)
+            for j, f in futs:
+                if f.done():
+                    self._finish(j, f)
+        return self.get_finished()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
