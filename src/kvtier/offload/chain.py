@@ -47,10 +47,10 @@ from kvtier.errors import (
     TierUnavailableError,
 )
 from kvtier.manager import KVCacheManager
-from kvtier.offload.codec import Codec, make_codec, verify
+from kvtier.offload.codec import Codec, RawCodec, make_codec, verify
 from kvtier.offload.manager import OffloadingEvent, OffloadingManager
 from kvtier.offload.media import BlockFormat, BlockStore, Stored
-from kvtier.offload.transfer import TransferEngine
+from kvtier.offload.transfer import TransferEngine, TransferResult
 from kvtier.policy.base import EvictionPolicy
 from kvtier.storage import KVBlockStorage
 
@@ -459,7 +459,11 @@ class TierChain:
             tier.counters.stored_bytes += nbytes
             return
         # A snapshot: the device blocks (or host slots) may be reused before the write runs.
-        snap = [(k, s, p.clone()) for k, s, p in items]
+        # Raw payloads are views of device blocks (or host slots) that may be
+        # reused before the write runs; int8/fp8 encodes are already fresh memory.
+        if tier.codec.codec_id == RawCodec.codec_id:
+            items = [(k, s, p.clone()) for k, s, p in items]
+        snap = items
         job = self.transfer.submit("store", _Writer(tier.store, snap), t)
         self._pending[job] = (t, out.keys_to_store, nbytes)
 
@@ -505,8 +509,9 @@ class TierChain:
         with self._lock:
             return self._poll_locked()
 
-    def _poll_locked(self) -> int:
-        done = self.transfer.get_finished()
+    def _poll_locked(self, done: list[TransferResult] | None = None) -> int:
+        if done is None:
+            done = self.transfer.get_finished()
         handled = 0
         for r in done:
             if r.kind != "store":
@@ -537,9 +542,7 @@ class TierChain:
         if jobs:
             results = self.transfer.wait(jobs, timeout)
             with self._lock:
-                for r in results:
-                    self.transfer._done[r.job_id] = r
-                self._poll_locked()
+                self._poll_locked(results + self.transfer.get_finished())
 
     # -- swap ------------------------------------------------------------------------------
     def swap_out(
