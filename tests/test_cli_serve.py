@@ -58,6 +58,10 @@ def test_serve_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> Non
         "--redis-cluster",
         "--write-mode",
         "--disk-codec",
+        "--pressure",
+        "--pressure-thresholds",
+        "--pressure-emergency",
+        "--pressure-max-wait",
     ):
         assert option in out, option
     assert "examples:" in out and "kvtier serve --port" in out
@@ -81,6 +85,10 @@ def test_serve_is_listed_in_the_top_level_help(capsys: pytest.CaptureFixture[str
         (["--dtype", "int4"], "invalid choice"),
         (["--default-temperature", "3"], "temperature in [0, 2]"),
         (["--default-top-p", "0"], "top_p in (0, 1]"),
+        (["--pressure", "gpu"], "invalid choice"),
+        (["--pressure-thresholds", "0.5,0.9,0.8,0.97"], "CRITICAL threshold 0.8 must be above"),
+        (["--pressure-thresholds", "0.5,0.9"], "four rising fractions"),
+        (["--pressure-interval", "0"], "number of seconds in (0, 60]"),
     ],
 )
 def test_bad_options_exit_2_with_a_message(
@@ -197,6 +205,10 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             "int8",
             "--write-mode",
             "write_through",
+            "--pressure",
+            "pool",
+            "--pressure-thresholds",
+            "0.4,0.6,0.8,0.95",
             "--log-level",
             "warning",
         ),
@@ -219,6 +231,7 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert "64 blocks of 16 tokens" in "".join(lines) and "policy arc" in "".join(lines)
         assert any(ln.startswith("kvtier: host tier:") for ln in lines)
         assert any(ln.startswith("kvtier: disk tier:") and "codec int8" in ln for ln in lines)
+        assert any(ln.startswith("kvtier: memory pressure from pool every 0.05s") for ln in lines)
         serving = lines[-1]
         assert "OpenAI-compatible" in serving
         url = serving.split(" at ", 1)[1].split(" ", 1)[0]
@@ -234,6 +247,11 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         assert set(tiers) == {"host", "disk"}
         # Write-through: the prompt's full blocks went to host memory at once.
         assert tiers["host"]["stored_blocks"] > 0
+        pressure = _get(f"{url}/cache/stats")["pressure"]
+        assert pressure["source"] == "pool" and pressure["mode"] == "RELAXED"
+        assert pressure["readings"] >= 1 and pressure["monitor_errors"] == 0
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as resp:
+            assert 'kvtier_pressure_mode{mode="RELAXED"} 1' in resp.read().decode()
         assert _get(url.removesuffix("/v1") + "/health") == {"status": "ok"}
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

@@ -2,7 +2,8 @@
 
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
 prefix index, the device block pool, eviction and admission policies, the
-request-level :class:`KVCacheManager`, and trace replay (:mod:`kvtier.replay`).
+request-level :class:`KVCacheManager`, memory-pressure control
+(:mod:`kvtier.pressure`), and trace replay (:mod:`kvtier.replay`).
 
 The parts that need PyTorch and transformers load on first use, so ``import
 kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
@@ -21,6 +22,7 @@ from kvtier.errors import (
     DuplicateRequestError,
     InternalInvariantError,
     KvTierError,
+    MonitorUnavailableError,
     OutOfBlocksError,
     TierUnavailableError,
     UnknownRequestError,
@@ -50,6 +52,21 @@ from kvtier.policy import (
     register_policy,
 )
 from kvtier.pool import BlockPool
+from kvtier.pressure import (
+    HostMemoryMonitor,
+    Ladder,
+    MemoryMonitor,
+    MemoryReading,
+    Mode,
+    ModeActions,
+    ModeChange,
+    PoolMonitor,
+    PressureController,
+    PressureSpec,
+    ScriptedMonitor,
+    detect_monitor,
+    make_monitor,
+)
 from kvtier.replay import (
     Capacity,
     Trace,
@@ -107,6 +124,20 @@ __all__ = [
     "PolicyBase",
     "PrefixIndex",
     "PressureEvent",
+    "HostMemoryMonitor",
+    "Ladder",
+    "MemoryMonitor",
+    "MemoryReading",
+    "Mode",
+    "ModeActions",
+    "ModeChange",
+    "MonitorUnavailableError",
+    "PoolMonitor",
+    "PressureController",
+    "PressureSpec",
+    "ScriptedMonitor",
+    "detect_monitor",
+    "make_monitor",
     "Tier",
     "TierUnavailableError",
     "UnknownRequestError",

@@ -19,6 +19,7 @@ from kvtier import __version__
 from kvtier.errors import ConfigError, KvTierError
 from kvtier.keys import HASH_ALGORITHMS
 from kvtier.policy import available_policies, make_policy
+from kvtier.pressure.detect import MONITOR_NAMES
 
 _OPTIONAL = ("torch", "transformers", "fastapi", "redis", "vllm", "libcachesim")
 
@@ -419,6 +420,40 @@ def _tier_specs(args: argparse.Namespace) -> list[Any]:
     return specs
 
 
+def _thresholds(text: str) -> tuple[float, float, float, float]:
+    """Four rising fractions ``N,P,C,E`` for the pressure ladder."""
+    from kvtier.pressure.ladder import Ladder
+
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 4:
+        raise ConfigError(
+            f"expected four rising fractions N,P,C,E in (0, 1], e.g. 0.5,0.8,0.9,0.97; got {text!r}"
+        )
+    fractions = (values[0], values[1], values[2], values[3])
+    Ladder.from_fractions(fractions, hysteresis=0.0)  # rising, within (0, 1]
+    return fractions
+
+
+def _pressure_spec(args: argparse.Namespace) -> Any:
+    """The pressure settings the serve flags ask for (``None``: off)."""
+    if args.pressure == "off":
+        return None
+    from kvtier.pressure.config import PressureSpec
+
+    extra = {} if args.pressure_thresholds is None else {"thresholds": args.pressure_thresholds}
+    return PressureSpec(
+        monitor=args.pressure,
+        interval=args.pressure_interval,
+        hysteresis=args.pressure_hysteresis,
+        emergency=args.pressure_emergency,
+        max_wait=args.pressure_max_wait,
+        **extra,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         raise ConfigError(
@@ -472,6 +507,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_caching=not args.no_prefix_caching,
             tiers=_tier_specs(args),
             write_mode=args.write_mode,
+            pressure=_pressure_spec(args),
         )
         if args.default_temperature is not None:
             engine.sampling_defaults["temperature"] = args.default_temperature
@@ -504,6 +540,13 @@ def _serve(args: argparse.Namespace) -> int:
                     f"policy {tier.manager.policy.name}); {engine.tiers.write_mode}",
                     flush=True,
                 )
+        if engine.pressure is not None:
+            p = engine.pressure
+            print(
+                f"kvtier: memory pressure from {p.monitor.name} every {p.interval:g}s; "
+                f"mode {p.mode.name} at {100 * p.fraction:.1f}%",
+                flush=True,
+            )
         worker = EngineWorker(engine).start()
         try:
             app = create_app(worker, served_model_name=name)
@@ -686,6 +729,57 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="write_back",
         help="write_back: store a block below when the device evicts it (default); "
         "write_through: store every computed block on every tier at once",
+    )
+    pressure = serve.add_argument_group(
+        "memory pressure",
+        "A monitor is sampled in the background; as memory fills the mode climbs RELAXED, "
+        "NORMAL, PRESSURE, CRITICAL, EMERGENCY. PRESSURE and above keep a share of the pool "
+        "empty by evicting in the policy's order (demoting to the tiers, if any); EMERGENCY "
+        "holds new requests back (HTTP 503 after --pressure-max-wait) or refuses them.",
+    )
+    pressure.add_argument(
+        "--pressure",
+        choices=("off", *MONITOR_NAMES),
+        default="auto",
+        help="memory source: auto (NVML, AMD SMI, torch.cuda, else the KV pool's occupancy; "
+        "the choice is logged), one of them by name, host (cgroup-aware), or off "
+        "(plain evict-on-full). Default auto",
+    )
+    pressure.add_argument(
+        "--pressure-thresholds",
+        type=_arg(_thresholds, "thresholds"),
+        default=None,
+        metavar="N,P,C,E",
+        help="enter fractions of NORMAL, PRESSURE, CRITICAL and EMERGENCY, rising "
+        "(default 0.5,0.8,0.9,0.97)",
+    )
+    pressure.add_argument(
+        "--pressure-hysteresis",
+        metavar="FRACTION",
+        type=_arg(_float_in("fraction", 0.0, 0.5), "hysteresis"),
+        default=0.05,
+        help="a mode is left only below its enter fraction minus this (default 0.05)",
+    )
+    pressure.add_argument(
+        "--pressure-interval",
+        metavar="SECONDS",
+        type=_arg(_float_in("number of seconds", 0.0, 60.0, open_low=True), "interval"),
+        default=0.05,
+        help="seconds between readings (default 0.05)",
+    )
+    pressure.add_argument(
+        "--pressure-emergency",
+        choices=("delay", "reject"),
+        default="delay",
+        help="EMERGENCY: delay new requests up to --pressure-max-wait, or reject them at once "
+        "(default delay)",
+    )
+    pressure.add_argument(
+        "--pressure-max-wait",
+        metavar="SECONDS",
+        type=_arg(_float_in("number of seconds", 0.0, 3600.0), "seconds"),
+        default=30.0,
+        help="longest a new request waits under EMERGENCY before HTTP 503 (default 30)",
     )
     serve.add_argument(
         "--log-level",

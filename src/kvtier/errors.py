@@ -64,7 +64,20 @@ class OutOfBlocksError(KvTierError):
 
 
 class AdmissionRejectedError(KvTierError):
-    """Admission control declined a new request (memory pressure)."""
+    """Admission control declined a new request (memory pressure).
+
+    ``mode`` names the pressure mode that declined it; ``retry`` is true when
+    that mode only delays admissions, so the same request may pass soon.
+    """
+
+    def __init__(self, message: str, *, mode: str | None = None, retry: bool = False) -> None:
+        super().__init__(message)
+        self.mode = mode
+        self.retry = retry
+
+
+class MonitorUnavailableError(KvTierError):
+    """A memory monitor's library or device is absent; pick another source."""
 
 
 class TierUnavailableError(KvTierError):

@@ -19,7 +19,7 @@ import logging
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -36,8 +36,18 @@ from kvtier.keys import BlockHasher, ExtraKey, Namespace
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.registry import make_policy
 from kvtier.pool import BlockPool
+from kvtier.pressure.ladder import ModeActions
 
 log = logging.getLogger(__name__)
+
+
+class PressureGate(Protocol):
+    """What the manager asks of a pressure controller (never a blocking call)."""
+
+    @property
+    def actions(self) -> ModeActions: ...
+
+    def check_admission(self) -> None: ...
 
 RequestId = Hashable
 _MAX_TOKEN_ID = 2**32
@@ -100,6 +110,8 @@ class CacheStats:
     cow_copies: int
     callback_errors: int
     policy: str
+    #: Blocks evicted to reach a pressure mode's free target (included in ``evictions``).
+    pressure_evictions: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -195,6 +207,8 @@ class KVCacheManager:
         self._requests: dict[RequestId, _Request] = {}
         self._pressure_cb: Callable[[PressureEvent], None] | None = None
         self._above_watermark = False
+        self._gate: PressureGate | None = None
+        self._target_evictions = 0
         self._hit_tokens = 0
         self._queried_tokens = 0
         self._allocations = 0
@@ -246,6 +260,25 @@ class KVCacheManager:
         """
         self._pressure_cb = callback
 
+    def set_pressure_gate(self, gate: PressureGate | None) -> None:
+        """Consult ``gate`` (a :class:`~kvtier.pressure.PressureController`) on allocation.
+
+        Before a new request changes anything, ``gate.check_admission()`` may
+        raise :class:`~kvtier.errors.AdmissionRejectedError`. After every
+        allocation and extension, cached blocks are evicted in the policy's
+        order until the mode's ``free_target`` share of the pool is empty;
+        with ``offload`` they go through the pool's eviction listener (the
+        tier chain demotes them) first, else they are dropped.
+        """
+        self._gate = gate
+
+    def _reach_target(self, gate: PressureGate) -> None:
+        actions = gate.actions
+        pool = self.pool
+        short = actions.target_blocks(pool.num_blocks) - pool.num_empty
+        if short > 0 and pool.num_evictable > 0:
+            self._target_evictions += pool.evict(short, announce=actions.offload)
+
     def _notify(self, reason: Literal["out_of_blocks", "high_watermark"], needed: int) -> None:
         cb = self._pressure_cb
         if cb is None:
@@ -273,6 +306,9 @@ class KVCacheManager:
             raise OutOfBlocksError(needed, max(available, 0), pool.num_blocks)
 
     def _after_growth(self) -> None:
+        gate = self._gate
+        if gate is not None:
+            self._reach_target(gate)
         if self._pressure_cb is None:
             return
         above = self.pool.usage >= self.high_watermark
@@ -326,6 +362,9 @@ class KVCacheManager:
                 raise BadRequestError(
                     f"block_keys has {len(keys)} keys but token_ids has {n_full} full blocks"
                 )
+        gate = self._gate
+        if gate is not None:
+            gate.check_admission()
         pool = self.pool
         hits = pool.lookup(keys[: (n - 1) // bs])
         n_hit = len(hits)
@@ -533,6 +572,7 @@ class KVCacheManager:
             cow_copies=self._cow_copies,
             callback_errors=self._callback_errors,
             policy=getattr(pool.policy, "name", type(pool.policy).__name__),
+            pressure_evictions=self._target_evictions,
         )
 
     def check(self) -> None:

@@ -227,7 +227,7 @@ class BlockPool:
             version[b] += 1
         return out
 
-    def _reclaim(self, target: int) -> None:
+    def _reclaim(self, target: int, announce: bool = True) -> None:
         """Evict until the free list holds at least ``target`` blocks."""
         free = self._free
         policy = self.policy
@@ -237,9 +237,9 @@ class BlockPool:
                 raise InternalInvariantError(
                     "policy found no victim although blocks are evictable"
                 )
-            self._drop_victims(victims)
+            self._drop_victims(victims, announce)
 
-    def _drop_victims(self, victims: list[int]) -> None:
+    def _drop_victims(self, victims: list[int], announce: bool = True) -> None:
         """Free the victims' blocks, and their cached subtrees (children first)."""
         cached = self._cached
         block_key = self.block_key
@@ -250,7 +250,7 @@ class BlockPool:
         evicted = 0
         cascaded = False
         listener = self.evict_listener
-        if listener is not None:
+        if listener is not None and announce:
             self._announce(victims, listener)
         for key in victims:
             b = cached.pop(key, None)
@@ -327,12 +327,16 @@ class BlockPool:
             self._free.append(b)
         self.cascade_evictions += len(order)
 
-    def evict(self, n: int) -> int:
-        """Reclaim up to ``n`` evictable blocks now (garbage collection); returns how many."""
+    def evict(self, n: int, announce: bool = True) -> int:
+        """Reclaim up to ``n`` evictable blocks now, in the policy's order; returns how many.
+
+        ``announce=False`` skips the eviction listener: the blocks are dropped,
+        not demoted.
+        """
         before = len(self._free)
         n = min(n, self.policy.num_evictable)
         if n > 0:
-            self._reclaim(before + n)
+            self._reclaim(before + n, announce)
         return len(self._free) - before
 
     def clear_cache(self) -> int:

@@ -13,6 +13,11 @@ blocks mid-generation is preempted (its computed blocks stay cached) and
 resumes later by recomputing only what was evicted. Every request records
 its time to first token, decode speed and cached-token count.
 
+With ``pressure`` set, a controller samples memory in the background and
+the manager consults its mode: PRESSURE and above keep a share of the pool
+empty by evicting (demoting, with tiers) in the policy's order, and EMERGENCY
+holds new requests back (up to ``max_wait``) or refuses them.
+
 The engine is single-threaded: :class:`~kvtier.engine.worker.EngineWorker`
 runs it on a thread of its own for concurrent callers.
 """
@@ -32,13 +37,21 @@ import torch
 from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.hf_cache import KvTierCache, layout_for_model
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import BadRequestError, ConfigError, KvTierError, OutOfBlocksError
+from kvtier.errors import (
+    AdmissionRejectedError,
+    BadRequestError,
+    ConfigError,
+    KvTierError,
+    OutOfBlocksError,
+)
 from kvtier.keys import Namespace
 from kvtier.manager import KVCacheManager
 from kvtier.obs.metrics import Histogram
 from kvtier.offload.chain import SwappedRequest, Tier, TierChain
 from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
+from kvtier.pressure.config import PressureSpec
+from kvtier.pressure.controller import PressureController
 from kvtier.storage import KVBlockStorage
 
 log = logging.getLogger(__name__)
@@ -98,8 +111,9 @@ class RequestOutput:
     """What a step produced for one request: new text and token ids, and whether it ended.
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
-    (max_tokens or the context limit), ``"abort"`` (cancelled) or ``"error"``
-    (``error`` says why).
+    (max_tokens or the context limit), ``"abort"`` (cancelled), ``"rejected"``
+    (memory pressure refused it before it started) or ``"error"`` (``error``
+    says why).
     """
 
     request_id: str
@@ -127,6 +141,8 @@ class _Request:
     admissions: int = 0
     #: Where a preempted request's blocks went (with tiers configured).
     swapped: SwappedRequest | None = None
+    #: When memory pressure first held this request back (``time.monotonic``).
+    delayed_since: float | None = None
 
 
 @dataclass
@@ -143,6 +159,8 @@ class EngineCounters:
     generation_tokens: int = 0
     preemptions: int = 0
     forward_errors: int = 0
+    #: Requests refused by memory pressure (at once, or after waiting ``max_wait``).
+    rejected: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     last: RequestMetrics | None = None
 
@@ -174,6 +192,7 @@ class Engine:
         sampling_defaults: dict[str, float] | None = None,
         tiers: Sequence[Tier | TierSpec] = (),
         write_mode: str = "write_back",
+        pressure: PressureSpec | PressureController | None = None,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -213,6 +232,14 @@ class Engine:
         self.tiers: TierChain | None = (
             TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
         )
+        #: The memory-pressure controller (``None`` without pressure handling).
+        self.pressure: PressureController | None = None
+        if pressure is not None:
+            if isinstance(pressure, PressureSpec):
+                pressure = pressure.build(self.manager.pool, self.layout.bytes_per_block)
+            self.pressure = pressure
+            self.manager.set_pressure_gate(pressure)
+            pressure.start()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
@@ -326,7 +353,9 @@ class Engine:
         return bool(self._waiting or self._running)
 
     def close(self) -> None:
-        """Finish background tier writes and close the tiers' media."""
+        """Stop pressure sampling, finish background tier writes, close the tiers' media."""
+        if self.pressure is not None:
+            self.pressure.close()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -396,6 +425,14 @@ class Engine:
                 self._waiting.popleft()
                 self._finish(req, "error", "", outs, error=f"out of KV cache blocks: {exc}")
                 continue
+            except AdmissionRejectedError as exc:
+                if self._hold_back(req, exc):
+                    break
+                self._waiting.popleft()
+                self.counters.rejected += 1
+                self._finish(req, "rejected", "", outs, error=str(exc))
+                continue
+            req.delayed_since = None
             self._waiting.popleft()
             now = time.perf_counter()
             m = req.metrics
@@ -413,6 +450,26 @@ class Engine:
             self.counters.computed_prompt_tokens += len(tokens) - cache.num_cached_tokens
             self._forward(req, tokens[cache.num_cached_tokens :], outs)
         return fresh
+
+    def _hold_back(self, req: _Request, exc: AdmissionRejectedError) -> bool:
+        """Whether a request refused by memory pressure waits (True) or fails.
+
+        It waits while the mode only delays and it has waited less than
+        ``max_wait``; a request that already started (preempted, resuming)
+        always waits, since failing it would throw away its tokens.
+        """
+        ctrl = self.pressure
+        max_wait = ctrl.max_wait if ctrl is not None else 0.0
+        now = time.monotonic()
+        if req.delayed_since is None:
+            req.delayed_since = now
+        waited = now - req.delayed_since
+        if req.admissions == 0 and (not exc.retry or waited >= max_wait):
+            return False
+        if not self._running and ctrl is not None:
+            # Nothing here will free memory: wait (briefly) for the sampler's next reading.
+            ctrl.wait_admissible(min(ctrl.interval, max(max_wait - waited, 0.0)))
+        return True
 
     def _decode(self, req: _Request, outs: list[RequestOutput]) -> None:
         cache = req.cache

@@ -265,6 +265,8 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                 headers=SSE_HEADERS,
             )
         text, last = await collect(handle, request)
+        if last.finish_reason == "rejected":
+            raise APIError(503, failure_message(last), type="server_error")
         if last.finish_reason not in ("stop", "length"):
             raise APIError(500, failure_message(last), type="server_error")
         return JSONResponse(
@@ -389,6 +391,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                 "prefix_caching": engine.prefix_caching,
             },
             "tiers": snap.tiers,
+            "pressure": None if snap.pressure is None else snap.pressure.as_dict(),
             "layout": {
                 "num_layers": layout.num_layers,
                 "num_kv_heads": layout.num_kv_heads,

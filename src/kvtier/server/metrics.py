@@ -13,11 +13,13 @@ from typing import Any
 from kvtier.engine.engine import Engine
 from kvtier.manager import CacheStats
 from kvtier.obs.metrics import Histogram, MetricFamily
+from kvtier.pressure.controller import PressureStats
+from kvtier.pressure.ladder import Mode
 
 #: Content type of the Prometheus text exposition format.
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
 
-_FINISH_REASONS = ("stop", "length", "abort", "error")
+_FINISH_REASONS = ("stop", "length", "abort", "rejected", "error")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class EngineSnapshot:
     loaded_prompt_tokens: int = 0
     #: Per tier below the device: occupancy and counters (empty without tiers).
     tiers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    #: The pressure controller's state (``None`` without pressure handling).
+    pressure: PressureStats | None = None
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -61,6 +65,7 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         last=None if c.last is None else c.last.as_dict(),
         loaded_prompt_tokens=c.loaded_prompt_tokens,
         tiers={} if engine.tiers is None else engine.tiers.stats(),
+        pressure=None if engine.pressure is None else engine.pressure.stats(),
     )
 
 
@@ -164,6 +169,45 @@ def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
             "Prompt tokens whose KV was loaded from a tier below the device.",
         ).add(snap.loaded_prompt_tokens),
         *tier_families(snap.tiers),
+        *pressure_families(snap.pressure, snap.stats.pressure_evictions),
+    ]
+
+
+def pressure_families(p: PressureStats | None, evictions: int) -> list[MetricFamily]:
+    """The pressure mode (one gauge per mode, 1 for the current one) and its counters."""
+    if p is None:
+        return []
+    mode = MetricFamily(
+        "kvtier_pressure_mode", "gauge", "Memory pressure mode: 1 for the current one."
+    )
+    for m in Mode:
+        mode.add(1 if m is p.mode else 0, mode=m.name)
+    return [
+        mode,
+        MetricFamily(
+            "kvtier_pressure_level", "gauge", "Memory pressure mode as a number (0 to 4)."
+        ).add(int(p.mode)),
+        MetricFamily(
+            "kvtier_memory_usage_ratio", "gauge", "Share of memory in use, as the monitor read it."
+        ).add(p.fraction, source=p.source),
+        MetricFamily(
+            "kvtier_pressure_mode_changes_total", "counter", "Pressure mode changes."
+        ).add(p.mode_changes),
+        MetricFamily(
+            "kvtier_pressure_rejections_total",
+            "counter",
+            "New requests memory pressure held back or refused.",
+        ).add(p.rejected),
+        MetricFamily(
+            "kvtier_pressure_evictions_total",
+            "counter",
+            "Cached blocks evicted to reach a pressure mode's free-block target.",
+        ).add(evictions),
+        MetricFamily(
+            "kvtier_pressure_monitor_errors_total",
+            "counter",
+            "Memory monitor readings that failed.",
+        ).add(p.monitor_errors),
     ]
 
 
