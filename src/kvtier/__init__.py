@@ -28,6 +28,11 @@ from kvtier.errors import (
     UnknownRequestError,
 )
 from kvtier.index import IndexEntry, PrefixIndex, Tier
+from kvtier.integrations.errors import (
+    IntegrationError,
+    MissingDependencyError,
+    UnsupportedVllmError,
+)
 from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
@@ -138,6 +143,9 @@ __all__ = [
     "ScriptedMonitor",
     "detect_monitor",
     "make_monitor",
+    "IntegrationError",
+    "MissingDependencyError",
+    "UnsupportedVllmError",
     "Tier",
     "TierUnavailableError",
     "UnknownRequestError",
@@ -167,6 +175,10 @@ _LAZY = {
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",
+    "detect_vllm": "kvtier.integrations.vllm.version",
+    "LegacyOffloadingManager": "kvtier.integrations.vllm.legacy",
+    "KvEventPublisher": "kvtier.integrations.vllm.events",
+    "KvtierCachePolicy": "kvtier.integrations.vllm.cache_policy",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)
