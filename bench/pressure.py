@@ -59,15 +59,13 @@ from _common import CONVERSATION_TRACE, REPO, format_table, git_state, machine_i
 from kvtier import (
     AdmissionRejectedError,
     KVCacheManager,
-    Ladder,
     Mode,
-    ModeActions,
     OutOfBlocksError,
     PoolMonitor,
     PressureController,
 )
 from kvtier.offload import OffloadingManager
-from kvtier.pressure import DEFAULT_ACTIONS
+from kvtier.pressure import PressureSpec
 from kvtier.replay import TraceRequest, load_trace
 
 BLOCK = 16  #: kvtier tokens per block; one Mooncake block of 512 tokens
@@ -139,13 +137,10 @@ class Result:
 def _controller(mgr: KVCacheManager, system: str) -> PressureController | None:
     if system == "off":
         return None
-    actions = dict(DEFAULT_ACTIONS)
-    actions[Mode.EMERGENCY] = ModeActions(
-        free_target=actions[Mode.EMERGENCY].free_target,
-        offload=True,
-        admission="delay" if system == "delay" else "reject",
-    )
-    ctrl = PressureController(PoolMonitor(mgr.pool), Ladder(actions=actions))
+    ladder = PressureSpec(
+        monitor="pool", emergency="delay" if system == "delay" else "reject"
+    ).ladder()
+    ctrl = PressureController(PoolMonitor(mgr.pool), ladder)
     mgr.set_pressure_gate(ctrl)
     return ctrl
 
