@@ -227,7 +227,9 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             lines.append(line)
             if line.startswith("kvtier: serving"):
                 break
-        assert lines[0].startswith("kvtier: loading " + str(tmp_path))
+        # Checked before the model loads: the cache's size for this model.
+        assert "64 KV blocks of 16 tokens" in lines[0] and "context 512 tokens" in lines[0]
+        assert lines[1].startswith("kvtier: loading " + str(tmp_path))
         assert "64 blocks of 16 tokens" in "".join(lines) and "policy arc" in "".join(lines)
         assert any(ln.startswith("kvtier: host tier:") for ln in lines)
         assert any(ln.startswith("kvtier: disk tier:") and "codec int8" in ln for ln in lines)

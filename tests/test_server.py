@@ -9,13 +9,10 @@ engine generates: text, finish reason and token counts.
 from __future__ import annotations
 
 import re
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,55 +25,14 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from serving import Server, serving  # noqa: E402
 from tiny_model import tiny_engine  # noqa: E402
 
-from kvtier.engine import Engine, EngineWorker, SamplingParams  # noqa: E402
-from kvtier.server import create_app  # noqa: E402
+from kvtier.engine import Engine, SamplingParams  # noqa: E402
 
 MODEL = "tiny-chat"
 NUM_BLOCKS = 512
 BLOCK_SIZE = 16
-
-
-@dataclass
-class Server:
-    base: str
-    worker: EngineWorker
-
-    @property
-    def v1(self) -> str:
-        return f"{self.base}/v1"
-
-    def client(self) -> Any:
-        return openai.OpenAI(base_url=self.v1, api_key="x", max_retries=0, timeout=60)
-
-
-@contextmanager
-def serving(engine: Engine, name: str = MODEL) -> Iterator[Server]:
-    """Serve ``engine`` with uvicorn on a free loopback port, in a background thread."""
-    worker = EngineWorker(engine).start()
-    app = create_app(worker, served_model_name=name)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", worker)
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        worker.stop()
-        sock.close()
-        assert not thread.is_alive(), "the server did not shut down"
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +325,41 @@ _CHAT_ERRORS: list[tuple[str, dict[str, Any], str | None, str | None]] = [
     ("unknown model", {"model": "gpt-4o"}, "model", "model_not_found"),
     ("over-long prompt", {"messages": user("x" * 600)}, "messages", "context_length_exceeded"),
     ("prompt + max_tokens too long", {"max_tokens": 600}, "max_tokens", "context_length_exceeded"),
-    ("n=2", {"n": 2}, "n", None),
+    ("n above max_num_seqs", {"n": 5}, "n", None),
+    ("n above 16", {"n": 17}, "n", None),
+    ("seed above int64", {"seed": 2**63}, "seed", None),
+    ("seed below int64", {"seed": -(2**63) - 1}, "seed", None),
+    ("presence_penalty 3", {"presence_penalty": 3}, "presence_penalty", None),
+    ("frequency_penalty -2.5", {"frequency_penalty": -2.5}, "frequency_penalty", None),
+    ("logit_bias 101", {"logit_bias": {"5": 101}}, "logit_bias.5", None),
+    ("logit_bias word key", {"logit_bias": {"hello": 1}}, "logit_bias", None),
+    ("logit_bias outside vocab", {"logit_bias": {"100000": 1}}, "logit_bias", None),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs", None),
+    ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    (
+        "tools required",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        None,
+    ),
+    ("json mode", {"response_format": {"type": "json_object"}}, "response_format", None),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
+    ("missing content", {"messages": [{"role": "user"}]}, "messages[0].content", None),
+    (
+        "null content",
+        {"messages": [{"role": "user", "content": None}]},
+        "messages[0].content",
+        None,
+    ),
+    (
+        "tool message",
+        {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+        "messages[0].role",
+        None,
+    ),
     ("temperature 5", {"temperature": 5}, "temperature", None),
     ("top_p 0", {"top_p": 0}, "top_p", None),
     ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}, "stop", None),

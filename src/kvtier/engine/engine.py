@@ -11,7 +11,9 @@ blocks stay cached for the next request that shares its prefix.
 A request that cannot get blocks waits; a running request that runs out of
 blocks mid-generation is preempted (its computed blocks stay cached) and
 resumes later by recomputing only what was evicted. Every request records
-its time to first token, decode speed and cached-token count.
+its time to first token, decode speed and cached-token count. A request for
+``n`` choices computes its prompt once and forks it ``n - 1`` times
+(copy-on-write blocks); each choice then samples on its own.
 
 With ``pressure`` set, a controller samples memory in the background and
 the manager consults its mode: PRESSURE and above keep a share of the pool
@@ -24,6 +26,7 @@ runs it on a thread of its own for concurrent callers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -34,9 +37,16 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    check_min_request,
+    plan_cache,
+)
 from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.hf_cache import KvTierCache, layout_for_model
-from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.errors import (
     AdmissionRejectedError,
     BadRequestError,
@@ -108,12 +118,13 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request: new text and token ids, and whether it ended.
+    """What a step produced for one choice of a request: new text and ids, and whether it ended.
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
     (max_tokens or the context limit), ``"abort"`` (cancelled), ``"rejected"``
     (memory pressure refused it before it started) or ``"error"`` (``error``
-    says why).
+    says why). ``index`` is the choice (0 .. n-1); ``logprobs`` has one entry
+    per token in ``token_ids`` when the request asked for them.
     """
 
     request_id: str
@@ -123,16 +134,26 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False)
 class _Request:
+    """One sequence: a request, or one of its ``n`` choices."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     sampler: Sampler
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
+    #: The choice this sequence generates (0 .. n-1); choice 0 carries the request's id.
+    index: int = 0
+    #: The id of the sequence in the manager (``request_id`` plus ``#index`` for forks).
+    seq_id: str = ""
+    #: True once the prompt was forked into the other choices (or n == 1).
+    forked: bool = False
     generated: list[int] = field(default_factory=list)
     cache: KvTierCache | None = None
     #: The last sampled token, not yet run through the model.
@@ -159,6 +180,11 @@ class EngineCounters:
     generation_tokens: int = 0
     preemptions: int = 0
     forward_errors: int = 0
+    #: Choices started by forking a computed prompt (``n > 1``), not recomputing it.
+    forked_sequences: int = 0
+    #: Seconds from arrival to the end, summed over finished sequences (and their count).
+    e2e_seconds: float = 0.0
+    e2e_count: int = 0
     #: Requests refused by memory pressure (at once, or after waiting ``max_wait``).
     rejected: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -191,7 +217,7 @@ class Engine:
         prefix_caching: bool = True,
         sampling_defaults: dict[str, float] | None = None,
         tiers: Sequence[Tier | TierSpec] = (),
-        write_mode: str = "write_back",
+        write_mode: str | None = None,
         pressure: PressureSpec | PressureController | None = None,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -202,8 +228,18 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         self.layout = layout_for_model(model.config, block_size, param.dtype)
-        if num_blocks is None:
-            num_blocks = max(kv_cache_bytes // self.layout.bytes_per_block, 1)
+        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+        plan = plan_cache(
+            self.layout,
+            model_len,
+            num_blocks=num_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            max_model_len=max_model_len,
+        )
+        num_blocks = plan.num_blocks
+        max_model_len = plan.max_model_len
+        if getattr(tokenizer, "chat_template", None) is not None:
+            check_min_request(plan, len(self.encode_chat([{"role": "user", "content": ""}])))
         self.storage = KVBlockStorage(self.layout, num_blocks, self.device)
         self.manager = KVCacheManager(
             num_blocks,
@@ -211,19 +247,6 @@ class Engine:
             policy=policy,
             namespace=Namespace(model_id, self.layout),
         )
-        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
-        pool_len = num_blocks * block_size
-        if max_model_len is None:
-            max_model_len = min(model_len, pool_len)
-        elif max_model_len > model_len:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
-            )
-        elif max_model_len > pool_len:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the KV pool ({num_blocks} blocks of "
-                f"{block_size} = {pool_len} tokens): raise kv_cache_bytes or num_blocks"
-            )
         #: The tiers below the device (``None`` without tiers).
         built = [
             t.build(self.storage.block_shape, self.storage.dtype) if isinstance(t, TierSpec) else t
@@ -246,11 +269,108 @@ class Engine:
         #: ``temperature`` / ``top_p`` the server uses when a request leaves them out.
         self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0) or None
         self.counters = EngineCounters()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        self._by_id: dict[str, _Request] = {}
+        #: request id -> its sequences (one per choice once forked).
+        self._by_id: dict[str, list[_Request]] = {}
         self._ids = itertools.count()
+        policy_name = policy if isinstance(policy, str) else getattr(policy, "name", "custom")
+        #: The configuration this engine runs with, as data.
+        self.config = EngineConfig(
+            model_id=model_id,
+            dtype=self.layout.dtype,
+            device=str(self.device),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_bytes=num_blocks * self.layout.bytes_per_block,
+                num_blocks=num_blocks,
+                policy=policy_name,
+                prefix_caching=prefix_caching,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+            tiers=tuple(t for t in tiers if isinstance(t, TierSpec)),
+            write_mode=write_mode,
+            pressure=pressure if isinstance(pressure, PressureSpec) else None,
+            sampling_defaults=dict(self.sampling_defaults),
+        )
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, model: Any = None, tokenizer: Any = None
+    ) -> Engine:
+        """Build an engine from :class:`EngineConfig`; loads its model unless one is given.
+
+        With the model loading here, the cache sizes are checked against the
+        model's files first and the chat template against the cache before
+        the weights are read, so a configuration that cannot serve fails in
+        a second, not after the model loaded.
+        """
+        kwargs: dict[str, Any] = {
+            "block_size": config.cache.block_size,
+            "num_blocks": config.cache.num_blocks,
+            "kv_cache_bytes": config.cache.kv_cache_bytes,
+            "policy": config.cache.policy,
+            "prefix_caching": config.cache.prefix_caching,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_model_len": config.scheduler.max_model_len,
+            "tiers": config.tiers,
+            "write_mode": config.write_mode,
+            "pressure": config.pressure,
+        }
+        if config.sampling_defaults is not None:
+            kwargs["sampling_defaults"] = dict(config.sampling_defaults)
+        if model is not None:
+            if tokenizer is None:
+                raise ConfigError("Engine.from_config: a model needs its tokenizer too")
+            return cls(model, tokenizer, model_id=config.model_id or "model", **kwargs)
+        from kvtier.engine.model import load_model
+
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            model_id=config.model_id,
+            check_tokenizer=lambda tok: check_config(config, tok),
+            tokenizer=tokenizer,
+        )
+        kwargs.setdefault("sampling_defaults", loaded.sampling_defaults)
+        return cls(loaded.model, loaded.tokenizer, model_id=loaded.model_id, **kwargs)
+
+    def describe(self) -> list[str]:
+        """What this engine runs with, one line per part (the server's startup banner)."""
+        layout = self.layout
+        stats = self.manager.stats()
+        lines = [
+            f"model {self.model_id}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads "
+            f"of {layout.head_dim}, {layout.dtype} on {self.device}",
+            f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
+            f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB), policy "
+            f"{stats.policy}, prefix caching {'on' if self.prefix_caching else 'off'}",
+            f"scheduler: up to {self.max_num_seqs} requests at once, "
+            f"max_model_len {self.max_model_len} tokens",
+        ]
+        d = self.sampling_defaults
+        lines.append(
+            "requests without temperature/top_p get "
+            f"temperature {d.get('temperature', 1.0)}, top_p {d.get('top_p', 1.0)}"
+        )
+        if self.tiers is not None:
+            for tier in self.tiers.tiers:
+                fmt = tier.fmt
+                size = tier.capacity * (fmt.blob_size if fmt else 0)
+                lines.append(
+                    f"{tier.name} tier: {tier.capacity} blocks ({size / 2**20:.0f} MiB, codec "
+                    f"{tier.codec.name}, policy {tier.manager.policy.name}, {tier.write_mode})"
+                )
+        if self.pressure is not None:
+            p = self.pressure
+            lines.append(
+                f"memory pressure from {p.monitor.name} every {p.interval:g}s; "
+                f"mode {p.mode.name} at {100 * p.fraction:.1f}%"
+            )
+        return lines
 
     @classmethod
     def from_pretrained(
@@ -304,6 +424,20 @@ class Engine:
                 raise BadRequestError(
                     f"prompt token id {t!r} is outside [0, {vocab})", param="prompt"
                 )
+        if params.n > self.max_num_seqs:
+            raise BadRequestError(
+                f"n={params.n} choices exceed the {self.max_num_seqs} sequences this engine "
+                "runs at once (max_num_seqs): ask for fewer",
+                param="n",
+            )
+        if self.vocab_size is not None and params.logit_bias:
+            top = max(params.logit_bias)
+            if top >= self.vocab_size:
+                raise BadRequestError(
+                    f"logit_bias names token id {top}, outside the vocabulary of "
+                    f"{self.vocab_size}",
+                    param="logit_bias",
+                )
         if n + params.max_tokens > self.max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -336,18 +470,43 @@ class Engine:
             Sampler(params),
             IncrementalDetokenizer(self.tokenizer, params.stop),
             RequestMetrics(now, len(ids)),
+            seq_id=rid,
+            forked=params.n == 1,
         )
         self._waiting.append(req)
-        self._by_id[rid] = req
+        self._by_id[rid] = [req]
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(ids)
         return rid
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request at the next step (its computed blocks stay cached)."""
-        req = self._by_id.get(request_id)
-        if req is not None:
+        """Stop a request (every choice) at the next step; its computed blocks stay cached."""
+        for req in self._by_id.get(request_id, ()):
             req.cancelled = True
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every queued and running request with ``error`` (after a step failed).
+
+        Each request's blocks past its computed tokens are withdrawn, so
+        nothing a failed pass half wrote can be served later.
+        """
+        outs: list[RequestOutput] = []
+        for req in [*self._waiting, *self._running]:
+            try:
+                self._finish(req, "error", "", outs, error=error)
+            except Exception:
+                log.exception("could not end request %s cleanly", req.request_id)
+                req.cache = None
+                for q in (self._waiting, self._running):
+                    if req in q:
+                        q.remove(req)
+                self._by_id.pop(req.request_id, None)
+                outs.append(
+                    RequestOutput(
+                        req.request_id, "", [], True, "error", req.metrics, error, index=req.index
+                    )
+                )
+        return outs
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -386,11 +545,13 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs (other queued requests run too)."""
         rid = self.add_request(prompt_ids, params)
+        left = (params or SamplingParams()).n
         while True:
             for out in self.step():
                 if out.request_id == rid:
                     yield out
-                    if out.finished:
+                    left -= out.finished
+                    if not left:
                         return
 
     # -- scheduling internals --------------------------------------------------------------
@@ -398,8 +559,10 @@ class Engine:
         fresh: set[_Request] = set()
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
+            if not req.forked and len(self._running) + req.params.n > self.max_num_seqs:
+                break  # its choices start together, once there is room for all of them
             tokens = req.prompt_ids + req.generated
-            extra = () if self.prefix_caching else (f"private:{req.request_id}:{req.admissions}",)
+            extra = () if self.prefix_caching else (f"private:{req.seq_id}:{req.admissions}",)
             try:
                 if req.swapped is not None and self.tiers is not None:
                     cache = KvTierCache.swap_in(
@@ -414,7 +577,7 @@ class Engine:
                     cache = KvTierCache(
                         self.storage,
                         self.manager,
-                        req.request_id,
+                        req.seq_id,
                         tokens,
                         extra_keys=extra,
                         tiers=self.tiers,
@@ -449,6 +612,7 @@ class Engine:
             fresh.add(req)
             self.counters.computed_prompt_tokens += len(tokens) - cache.num_cached_tokens
             self._forward(req, tokens[cache.num_cached_tokens :], outs)
+            fresh.update(self._by_id.get(req.request_id, ()))  # forked choices have a token too
         return fresh
 
     def _hold_back(self, req: _Request, exc: AdmissionRejectedError) -> bool:
@@ -494,7 +658,9 @@ class Engine:
                 out = self.model(
                     input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1
                 )
-            token = req.sampler(out.logits[0, -1])
+            logits = out.logits[0, -1]
+            token, logprob = req.sampler.sample(logits)
+            choices = [] if req.forked else self._fork_choices(req, logits)
         except KvTierError as exc:
             self.counters.forward_errors += 1
             log.exception("request %s failed", req.request_id)
@@ -505,9 +671,57 @@ class Engine:
             log.exception("forward pass of request %s failed", req.request_id)
             self._finish(req, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
             return
-        self._on_token(req, token, outs)
+        self._on_token(req, token, logprob, outs)
+        for child, child_token, child_logprob in choices:
+            self._on_token(child, child_token, child_logprob, outs)
 
-    def _on_token(self, req: _Request, token: int, outs: list[RequestOutput]) -> None:
+    def _fork_choices(
+        self, req: _Request, logits: torch.Tensor
+    ) -> list[tuple[_Request, int, TokenLogprob | None]]:
+        """Start choices 1 .. n-1 of ``req`` from its computed prompt (shared blocks)."""
+        req.forked = True
+        cache = req.cache
+        assert cache is not None
+        out: list[tuple[_Request, int, TokenLogprob | None]] = []
+        group = self._by_id[req.request_id]
+        try:
+            for i in range(1, req.params.n):
+                seq_id = f"{req.request_id}#{i}"
+                child = _Request(
+                    req.request_id,
+                    req.prompt_ids,
+                    req.params,
+                    Sampler(req.params, seed_offset=i),
+                    IncrementalDetokenizer(self.tokenizer, req.params.stop),
+                    dataclasses.replace(req.metrics),
+                    index=i,
+                    seq_id=seq_id,
+                    forked=True,
+                    admissions=1,
+                )
+                child.cache = cache.fork(seq_id)
+                token, logprob = child.sampler.sample(logits)
+                group.append(child)
+                self._running.append(child)
+                self.counters.forked_sequences += 1
+                out.append((child, token, logprob))
+        except BaseException:
+            # A fork that could not start (out of blocks for a copy) undoes every choice.
+            for child, _, _ in out:
+                self._running.remove(child)
+                group.remove(child)
+                if child.cache is not None:
+                    child.cache.release()
+            raise
+        return out
+
+    def _on_token(
+        self,
+        req: _Request,
+        token: int,
+        logprob: TokenLogprob | None,
+        outs: list[RequestOutput],
+    ) -> None:
         m = req.metrics
         now = time.perf_counter()
         if m.first_token_time is None:
@@ -516,20 +730,25 @@ class Engine:
         req.generated.append(token)
         m.completion_tokens += 1
         self.counters.generation_tokens += 1
+        lp = () if logprob is None else (logprob,)
         if token in self.eos_token_ids and not req.params.ignore_eos:
-            self._finish(req, "stop", req.detok.flush(), outs, token=token)
+            self._finish(req, "stop", req.detok.flush(), outs, token=token, logprobs=lp)
             return
         text = req.detok.add(token)
         if req.detok.stopped:
-            self._finish(req, "stop", text, outs, token=token)
+            self._finish(req, "stop", text, outs, token=token, logprobs=lp)
         elif (
             len(req.generated) >= req.params.max_tokens
             or len(req.prompt_ids) + len(req.generated) >= self.max_model_len
         ):
-            self._finish(req, "length", text + req.detok.flush(), outs, token=token)
+            self._finish(req, "length", text + req.detok.flush(), outs, token=token, logprobs=lp)
         else:
             req.pending = token
-            outs.append(RequestOutput(req.request_id, text, [token], False, None, m))
+            outs.append(
+                RequestOutput(
+                    req.request_id, text, [token], False, None, m, index=req.index, logprobs=lp
+                )
+            )
 
     def _preempt(self, req: _Request, outs: list[RequestOutput]) -> None:
         cache = req.cache
@@ -566,6 +785,7 @@ class Engine:
         *,
         token: int | None = None,
         error: str | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         cache = req.cache
         if cache is not None:
@@ -580,10 +800,16 @@ class Engine:
             self._running.remove(req)
         elif req in self._waiting:
             self._waiting.remove(req)
-        self._by_id.pop(req.request_id, None)
+        group = self._by_id.get(req.request_id)
+        if group is not None and req in group:
+            group.remove(req)
+            if not group:
+                del self._by_id[req.request_id]
         req.metrics.finish_time = time.perf_counter()
         c = self.counters
         c.finished[reason] = c.finished.get(reason, 0) + 1
+        c.e2e_seconds += req.metrics.finish_time - req.metrics.arrival_time
+        c.e2e_count += 1
         c.last = req.metrics
         outs.append(
             RequestOutput(
@@ -594,8 +820,36 @@ class Engine:
                 reason,
                 req.metrics,
                 error,
+                index=req.index,
+                logprobs=logprobs,
             )
         )
+        if not req.forked:
+            # It ended before its prompt was forked: the other choices end with it.
+            for i in range(1, req.params.n):
+                outs.append(
+                    RequestOutput(
+                        req.request_id, "", [], True, reason, req.metrics, error, index=i
+                    )
+                )
+
+
+def check_config(config: EngineConfig, tokenizer: Any = None) -> None:
+    """Check ``config`` against its model's files (and tokenizer) without loading weights.
+
+    Raises :class:`~kvtier.errors.ConfigError` when the KV cache cannot hold
+    one block, the context does not fit the cache or the model, a tier holds
+    no block, or (given the tokenizer) the bare chat template does not fit.
+    """
+    from kvtier.engine.model import probe_model
+
+    info = probe_model(config.model, model_id=config.model_id)
+    plan = config.plan(info.layout(config.cache.block_size, config.dtype), info.max_positions)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False
+        )
+        check_min_request(plan, len(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

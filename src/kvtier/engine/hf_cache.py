@@ -40,17 +40,14 @@ _HOOK_ATTR = "_kvtier_cache_hook"
 
 def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
     """The KV block layout of a transformers decoder config (Llama family)."""
-    try:
-        num_layers = int(config.num_hidden_layers)
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    except AttributeError as exc:
-        raise ConfigError(f"model config lacks a decoder attention field: {exc}") from None
+    from kvtier.engine.model import geometry
+
+    text = getattr(config, "text_config", None) or config  # vision-language: the decoder's
+    layers, _, kv_heads, head_dim = geometry(lambda name: getattr(text, name, None))
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise ConfigError(f"model dtype {dtype} cannot be stored in KV blocks")
-    return KVLayout(num_layers, kv_heads, int(head_dim), block_size, name)
+    return KVLayout(layers, kv_heads, head_dim, block_size, name)
 
 
 class _KvTierLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]

@@ -9,8 +9,10 @@ directory or a ``.gguf`` file. Nothing is ever downloaded.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,162 @@ def default_model_file() -> Path:
     return files[0]
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model's files say about its KV geometry, read without loading weights."""
+
+    source: str
+    model_id: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    #: Positions the model was trained for (its context length).
+    max_positions: int
+    vocab_size: int | None
+    chat_template: str | None
+
+    def layout(self, block_size: int, dtype: str) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
+
+
+def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
+    """``(layers, attention heads, KV heads, head dim)`` from a decoder config's fields.
+
+    ``get`` reads a field (``None`` when absent); shared by config objects,
+    ``config.json`` and GGUF metadata so all three agree.
+    """
+
+    def num(name: str) -> int | None:
+        value = get(name)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(
+                f"model config field {name} must be a positive integer, got {value!r}"
+            )
+        return value
+
+    layers = num("num_hidden_layers")
+    heads = num("num_attention_heads")
+    hidden = num("hidden_size")
+    if layers is None or heads is None:
+        raise ConfigError(
+            "the model config lacks num_hidden_layers / num_attention_heads: "
+            "kvtier serves decoder-only transformers"
+        )
+    kv_heads = num("num_key_value_heads") or heads
+    head_dim = num("head_dim")
+    if head_dim is None:
+        if hidden is None:
+            raise ConfigError("the model config has neither head_dim nor hidden_size")
+        head_dim = hidden // heads
+    return layers, heads, kv_heads, head_dim
+
+
+_GGUF_FIELDS = {
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "hidden_size": "embedding_length",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+}
+
+
+def probe_model(
+    spec: str | os.PathLike[str] | None = None, *, model_id: str | None = None
+) -> ModelInfo:
+    """Read a model's geometry, context length and chat template in milliseconds.
+
+    ``spec`` is what :func:`load_model` takes (``None``: the bundled default).
+    Raises :class:`ConfigError` for a missing or unreadable model, before any
+    weights are touched, so a server can check its configuration first.
+    """
+    path, name = _locate(spec, model_id)
+    get: Callable[[str], object]
+    if path.is_file():
+        from kvtier.engine.gguf_meta import read_gguf_metadata
+
+        meta = read_gguf_metadata(path)
+        arch = str(meta.get("general.architecture", "llama"))
+
+        def get_gguf(field: str) -> object:
+            key = _GGUF_FIELDS.get(field)
+            return None if key is None else meta.get(f"{arch}.{key}")
+
+        get = get_gguf
+
+        template = meta.get("tokenizer.chat_template")
+        chat = template if isinstance(template, str) else None
+    else:
+        cfg = _read_json(path / "config.json")
+        if isinstance(cfg.get("text_config"), dict):  # vision-language models nest the decoder
+            cfg = {**cfg, **cfg["text_config"]}
+        get = cfg.get
+        chat = _hf_chat_template(path)
+    layers, heads, kv_heads, head_dim = geometry(get)
+    positions = get("max_position_embeddings")
+    vocab = get("vocab_size")
+    return ModelInfo(
+        str(path),
+        name,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        positions if isinstance(positions, int) and positions > 0 else 2**31,
+        vocab if isinstance(vocab, int) else None,
+        chat,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _hf_chat_template(path: Path) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    tok = path / "tokenizer_config.json"
+    if tok.exists():
+        template = _read_json(tok).get("chat_template")
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list) and template:  # named templates: the default one
+            for entry in template:
+                if isinstance(entry, dict) and entry.get("name") == "default":
+                    value = entry.get("template")
+                    return value if isinstance(value, str) else None
+    return None
+
+
+def _locate(spec: str | os.PathLike[str] | None, model_id: str | None) -> tuple[Path, str]:
+    """The model's file or directory and the id it is served under; checks it is usable."""
+    if spec is None:
+        return default_model_file(), model_id or DEFAULT_MODEL_ID
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"--model {str(spec)!r} does not exist: pass a local Hugging Face model directory "
+            "or a .gguf file (models are never downloaded), or leave --model out to serve the "
+            "bundled SmolLM2-135M-Instruct"
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(f"--model file {path} is not a .gguf file")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ConfigError(f"--model directory {path} has no config.json")
+    return path, model_id or (path.stem if path.is_file() else path.name)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
@@ -74,40 +233,51 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     model_id: str | None = None,
+    check_tokenizer: Callable[[Any], None] | None = None,
+    tokenizer: Any = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from the default GGUF, a GGUF file or a directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a causal LM and its tokenizer from the default GGUF, a GGUF file or a directory.
+
+    The tokenizer loads first (or is given); ``check_tokenizer`` may refuse it
+    (raise) before the weights, the slow part, are read.
+    """
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
-    if spec is None:
-        path = default_model_file()
-        name = model_id or DEFAULT_MODEL_ID
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise ConfigError(
-                f"--model {spec!r} does not exist: pass a local Hugging Face model directory "
-                "or a .gguf file (models are never downloaded)"
-            )
-        name = model_id or (path.stem if path.is_file() else path.name)
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ConfigError(f"--model file {path} is not a .gguf file")
-        directory, kwargs["gguf_file"] = str(path.parent), path.name
-    else:
-        if not (path / "config.json").exists():
-            raise ConfigError(f"--model directory {path} has no config.json")
-        directory = str(path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec)
+    path, name = _locate(spec, model_id)
+    directory, kwargs = _from_pretrained_args(path)
     log.info("loading %s from %s (%s, %s)", name, path, dtype, device)
+    if check_tokenizer is not None:
+        check_tokenizer(tokenizer)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
         model: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a causal LM from {path}: {exc}") from exc
     model = model.to(torch.device(device)).eval()
     sampling = dict(DEFAULT_MODEL_SAMPLING) if spec is None else generation_defaults(model)
     return LoadedModel(model, tokenizer, name, str(path), sampling)
+
+
+def _from_pretrained_args(path: Path) -> tuple[str, dict[str, Any]]:
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if path.is_file():
+        kwargs["gguf_file"] = path.name
+        return str(path.parent), kwargs
+    return str(path), kwargs
+
+
+def load_tokenizer(spec: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer of a model (``None``: the bundled default), offline."""
+    from transformers import AutoTokenizer
+
+    path, _ = _locate(spec, None)
+    directory, kwargs = _from_pretrained_args(path)
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
 def generation_defaults(model: Any) -> dict[str, float]:

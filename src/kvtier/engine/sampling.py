@@ -1,23 +1,73 @@
-"""Sampling parameters and the token sampler: greedy, temperature and top-p."""
+"""Sampling parameters and the token sampler.
+
+:class:`SamplingParams` is everything a request says about how to pick
+tokens, checked on construction (a bad value is a
+:class:`~kvtier.errors.BadRequestError` naming the field). :class:`Sampler`
+applies them to one row of logits, in OpenAI's order: ``logit_bias``, then
+the presence and frequency penalties over the tokens generated so far, then
+temperature (0 is greedy) and nucleus (``top_p``) sampling. Log
+probabilities, when asked for, are those of the model's own distribution
+(``log_softmax`` of the raw logits, before bias, penalties and temperature),
+as vLLM reports them by default.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.errors import BadRequestError
 
+#: OpenAI's bounds: ``seed`` is a signed 64-bit integer.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+#: Most top log probabilities a request may ask for per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: Most choices (``n``) one request may ask for.
+MAX_N = 16
+#: Temperatures below this sample greedily: dividing logits by less overflows to inf.
+GREEDY_BELOW = 1e-5
+
+
+def _number(value: object, name: str, low: float, high: float) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or not low <= value <= high
+    ):
+        raise BadRequestError(
+            f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name
+        )
+    return float(value)
+
+
+def _integer(value: object, name: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequestError(
+            f"{name} must be an integer in [{low}, {high}], got {value!r}", param=name
+        )
+    return value
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request generates.
 
-    ``temperature == 0`` is greedy decoding. ``top_p`` keeps the smallest set
-    of tokens whose probability reaches it (nucleus sampling). ``stop``
+    ``temperature == 0`` (or below ``1e-5``, where dividing overflows) is
+    greedy decoding. ``top_p`` keeps the smallest set of tokens whose
+    probability reaches it (nucleus sampling). ``stop``
     strings end generation and are not returned; ``seed`` makes sampling
-    reproducible per request.
+    reproducible per request. ``presence_penalty`` / ``frequency_penalty``
+    (in [-2, 2]) lower the logits of tokens already generated, once / per
+    occurrence; ``logit_bias`` adds a value in [-100, 100] to chosen token
+    ids. ``logprobs`` asks for the log probability of each generated token
+    and of the ``logprobs`` most likely alternatives (``None``: none; 0: the
+    chosen token's only). ``n`` choices share the prompt's KV blocks
+    (computed once, forked copy-on-write).
     """
 
     max_tokens: int = 256
@@ -26,6 +76,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -33,16 +88,7 @@ class SamplingParams:
             raise BadRequestError(
                 f"max_tokens must be a positive integer, got {mt!r}", param="max_tokens"
             )
-        t = self.temperature
-        if (
-            not isinstance(t, (int, float))
-            or isinstance(t, bool)
-            or not 0 <= t <= 2
-            or math.isnan(t)
-        ):
-            raise BadRequestError(
-                f"temperature must be a number in [0, 2], got {t!r}", param="temperature"
-            )
+        _number(self.temperature, "temperature", 0.0, 2.0)
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
             raise BadRequestError(f"top_p must be a number in (0, 1], got {p!r}", param="top_p")
@@ -55,42 +101,138 @@ class SamplingParams:
                 param="stop",
             )
         object.__setattr__(self, "stop", stop)
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
-        ):
-            raise BadRequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if self.seed is not None:
+            _integer(self.seed, "seed", SEED_MIN, SEED_MAX)
+        _number(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _number(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        if not isinstance(self.logit_bias, Mapping):
+            raise BadRequestError("logit_bias must map token ids to numbers", param="logit_bias")
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            tid = int(token) if isinstance(token, str) and token.isdigit() else token
+            if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                raise BadRequestError(
+                    f"logit_bias keys must be token ids (non-negative integers), got {token!r}",
+                    param="logit_bias",
+                )
+            bias[tid] = _number(value, f"logit_bias[{tid}]", -100.0, 100.0)
+        if len(bias) > 300:
+            raise BadRequestError(
+                f"logit_bias may name at most 300 tokens, got {len(bias)}", param="logit_bias"
+            )
+        object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None:
+            _integer(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
+        _integer(self.n, "n", 1, MAX_N)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """A copy with another seed (each of ``n`` choices samples with its own)."""
+        import dataclasses
+
+        return dataclasses.replace(self, seed=seed)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probability of a generated token and of its most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    #: ``(token id, log probability)``, most likely first (``SamplingParams.logprobs`` of them).
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Sampler:
-    """Picks the next token from one row of logits under :class:`SamplingParams`."""
+    """Picks the next token from one row of logits under :class:`SamplingParams`.
 
-    def __init__(self, params: SamplingParams) -> None:
+    One sampler serves one sequence: it keeps the counts of the tokens it
+    generated, for the penalties.
+    """
+
+    def __init__(self, params: SamplingParams, *, seed_offset: int = 0) -> None:
         self.params = params
         self._gen: torch.Generator | None = None
+        self._counts: torch.Tensor | None = None
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         if not params.greedy:
             self._gen = torch.Generator()
             if params.seed is not None:
-                self._gen.manual_seed(params.seed)
+                # Two's complement into torch's accepted [0, 2**64) range.
+                self._gen.manual_seed((params.seed + seed_offset) % 2**64)
             else:
                 self._gen.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """``logits`` is ``[vocab]``; returns the chosen token id."""
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
+        if not p.logit_bias and not p.penalized:
+            return logits
+        out = logits.float().clone()
+        if p.logit_bias:
+            if self._bias is None or self._bias[0].device != out.device:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+                vals = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+                self._bias = (ids, vals)
+            ids, vals = self._bias
+            if int(ids.max()) >= out.shape[-1]:
+                raise BadRequestError(
+                    f"logit_bias names token id {int(ids.max())}, outside the vocabulary "
+                    f"of {out.shape[-1]}",
+                    param="logit_bias",
+                )
+            out.index_add_(0, ids, vals)
+        if p.penalized and self._counts is not None:
+            c = self._counts
+            out -= p.frequency_penalty * c + p.presence_penalty * (c > 0).to(out.dtype)
+        return out
+
+    def observe(self, token: int, vocab: int, device: torch.device) -> None:
+        """Count a generated token (for the penalties)."""
+        if not self.params.penalized:
+            return
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self._counts[token] += 1
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """``logits`` is ``[vocab]``: the chosen token and, if asked for, its log probabilities."""
+        p = self.params
+        scores = self._processed(logits)
         if p.greedy:
-            return int(torch.argmax(logits))
-        scaled = logits.float() / p.temperature
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            # Keep every token up to and including the one that reaches top_p.
-            keep = (cum - sorted_probs) < p.top_p
-            sorted_probs = sorted_probs * keep
-            choice = torch.multinomial(sorted_probs.cpu(), 1, generator=self._gen)
-            return int(order[int(choice)])
-        return int(torch.multinomial(probs.cpu(), 1, generator=self._gen))
+            token = int(torch.argmax(scores))
+        else:
+            probs = torch.softmax(scores.float() / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                cum = torch.cumsum(sorted_probs, dim=-1)
+                # Keep every token up to and including the one that reaches top_p.
+                keep = (cum - sorted_probs) < p.top_p
+                sorted_probs = sorted_probs * keep
+                choice = torch.multinomial(sorted_probs.cpu(), 1, generator=self._gen)
+                token = int(order[int(choice)])
+            else:
+                token = int(torch.multinomial(probs.cpu(), 1, generator=self._gen))
+        self.observe(token, logits.shape[-1], logits.device)
+        if p.logprobs is None:
+            return token, None
+        return token, token_logprob(logits, token, p.logprobs)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        return self.sample(logits)[0]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log probability under ``logits`` and the ``top`` most likely tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        vals, ids = torch.topk(logp, top)
+        alternatives = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token]), alternatives)

@@ -6,6 +6,14 @@ requests and read their outputs from a :class:`RequestHandle`, synchronously
 (iterate it) or from asyncio (:meth:`RequestHandle.stream`). Concurrent
 requests queue and are interleaved by the engine's round-robin steps; none
 can see or corrupt another's blocks, since only the worker thread touches them.
+
+No request can stop the thread: a request the engine refuses, or that fails
+in a way nobody foresaw, fails alone (its handle gets an ``"error"`` output
+and the traceback is logged). A step that raises fails the requests in
+flight and the loop goes on. Should the loop itself die, the worker records
+why (:attr:`EngineWorker.fatal`), fails every open handle and calls
+``on_fatal``, so a server can report itself unhealthy and exit for its
+supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -30,8 +38,13 @@ T = TypeVar("T")
 class RequestHandle:
     """The outputs of one submitted request, in order; the last has ``finished`` set."""
 
-    def __init__(self, worker: EngineWorker, request_id: str) -> None:
+    def __init__(self, worker: EngineWorker, request_id: str, n: int = 1) -> None:
         self.request_id = request_id
+        #: Choices the request generates; it is finished once each has finished.
+        self.n = n
+        self._open = n  # choices not yet finished, as the reader saw them
+        #: Choices not yet finished, as the worker thread delivered them.
+        self._undelivered = n
         self._worker = worker
         self._sync: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._sink: Callable[[RequestOutput], None] = self._sync.put
@@ -40,6 +53,12 @@ class RequestHandle:
 
     def _deliver(self, out: RequestOutput) -> None:
         self._sink(out)
+
+    def _take(self, out: RequestOutput) -> None:
+        """Account for ``out`` on the reading side; the last choice's end finishes the handle."""
+        if out.finished:
+            self._open -= 1
+            self.finished = self._open <= 0
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver outputs to an asyncio queue on ``loop`` (call before the first output)."""
@@ -56,7 +75,7 @@ class RequestHandle:
             raise KvTierError("this handle delivers to asyncio: use `async for` on stream()")
         while not self.finished:
             out = self._sync.get()
-            self.finished = out.finished
+            self._take(out)
             yield out
 
     async def stream(self) -> AsyncGenerator[RequestOutput, None]:
@@ -67,19 +86,21 @@ class RequestHandle:
         try:
             while not self.finished:
                 out = await q.get()
-                self.finished = out.finished
+                self._take(out)
                 yield out
         finally:
             if not self.finished:  # the consumer went away (client disconnected)
                 self.cancel()
 
     def result(self) -> tuple[str, RequestOutput]:
-        """Block until the request finishes; returns all its text and the last output."""
+        """Block until the request finishes; returns choice 0's text and its last output."""
         parts: list[str] = []
         last: RequestOutput | None = None
         for out in self:
-            parts.append(out.text)
-            last = out
+            if out.index == 0:
+                parts.append(out.text)
+                if out.finished:
+                    last = out
         assert last is not None
         return "".join(parts), last
 
@@ -90,8 +111,17 @@ class RequestHandle:
 class EngineWorker:
     """Owns an engine on a background thread; thread-safe submit and cancel."""
 
-    def __init__(self, engine: Engine, *, name: str = "kvtier-engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        name: str = "kvtier-engine",
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
+        #: Why the worker thread died (``None`` while it runs or after a clean stop).
+        self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal
         self._cv = threading.Condition()
         self._inbox: list[tuple[list[int], SamplingParams, RequestHandle, float]] = []
         self._cancels: list[str] = []
@@ -121,7 +151,13 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (queued or running)."""
+        with self._cv:
+            return len(self._handles)
 
     def submit(
         self,
@@ -134,10 +170,10 @@ class EngineWorker:
         ids = list(prompt_ids)
         self.engine.check_request(ids, params)  # reads configuration only: thread-safe
         with self._cv:
-            if self._stop:
+            if self._stop or self.fatal is not None:
                 raise KvTierError("the engine worker is stopped")
             self._ids += 1
-            handle = RequestHandle(self, f"req-{self._ids}")
+            handle = RequestHandle(self, f"req-{self._ids}", params.n)
             if loop is not None:
                 handle.bind_loop(loop)
             self._handles[handle.request_id] = handle
@@ -179,6 +215,21 @@ class EngineWorker:
         return value  # type: ignore[no-any-return]
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the loop itself broke: nothing may hang on it
+            self.fatal = exc
+            log.critical("the engine thread died; failing every request", exc_info=exc)
+            self._shutdown(f"the engine failed: {type(exc).__name__}: {exc}")
+            if self._on_fatal is not None:
+                try:
+                    self._on_fatal(exc)
+                except Exception:
+                    log.exception("the engine's on_fatal callback raised")
+            return
+        self._shutdown("the engine is shutting down")
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             with self._cv:
@@ -191,7 +242,7 @@ class EngineWorker:
                 ):
                     self._cv.wait()
                 if self._stop:
-                    break
+                    return
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 calls, self._calls = self._calls, []
@@ -202,38 +253,55 @@ class EngineWorker:
                     engine.add_request(ids, params, handle.request_id, arrival_time=arrival)
                 except KvTierError as exc:
                     self._fail(handle, str(exc))
+                except Exception as exc:  # a bug, but this request's alone
+                    log.exception("adding request %s failed", handle.request_id)
+                    self._fail(handle, f"{type(exc).__name__}: {exc}")
             for rid in cancels:
                 engine.cancel(rid)
             if not engine.has_unfinished():
                 continue
             try:
                 outs = engine.step()
-            except Exception:
+            except Exception as exc:
                 self.step_errors += 1
-                log.exception("engine step failed")
-                outs = []
-            for out in outs:
-                target = self._handles.get(out.request_id)
-                if target is None:
-                    continue
-                if out.finished:
-                    del self._handles[out.request_id]
-                target._deliver(out)
-        self._shutdown()
+                log.exception("engine step failed; failing the requests in flight")
+                outs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._dispatch(outs)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            target = self._handles.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                target._undelivered -= 1
+                if target._undelivered <= 0:
+                    with self._cv:
+                        self._handles.pop(out.request_id, None)
+            target._deliver(out)
 
     def _fail(self, handle: RequestHandle, message: str) -> None:
         from kvtier.engine.engine import RequestMetrics
 
-        self._handles.pop(handle.request_id, None)
-        handle._deliver(
-            RequestOutput(handle.request_id, "", [], True, "error", RequestMetrics(0.0, 0), message)
-        )
-
-    def _shutdown(self) -> None:
         with self._cv:
+            self._handles.pop(handle.request_id, None)
+        for i in range(handle.n):
+            handle._deliver(
+                RequestOutput(
+                    handle.request_id, "", [], True, "error", RequestMetrics(0.0, 0), message,
+                    index=i,
+                )
+            )
+
+    def _shutdown(self, message: str) -> None:
+        with self._cv:
+            self._stop = True
             calls, self._calls = self._calls, []
+            inbox, self._inbox = self._inbox, []
+            handles = list(self._handles.values())
         for task in calls:
             task(self.engine)
-        for handle in list(self._handles.values()):
-            self._fail(handle, "the engine is shutting down")
-        self._handles.clear()
+        for _, _, handle, _ in inbox:
+            self._fail(handle, message)
+        for handle in handles:
+            self._fail(handle, message)

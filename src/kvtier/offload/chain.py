@@ -13,11 +13,14 @@
   blocks. A corrupt, vanished or unreachable block ends the prefix there: it
   is counted, dropped from its tier if it is bad, and the engine computes
   the rest. Nothing unverified reaches the device.
-* **Demote**: with ``write_mode="write_back"`` a block the device evicts is
-  copied to the first tier before the device reuses it, and a block a tier
-  evicts goes down to the next tier. With ``"write_through"`` every block
-  is stored on every tier as soon as it is computed (:meth:`store_computed`),
-  and evictions just drop. Copies to host memory are synchronous (one
+* **Demote**: each tier writes back or through. A write-back tier receives
+  blocks when the level above evicts them: the device's evictions are copied
+  to the first tier before the device reuses the blocks, and a block a tier
+  evicts goes down to the next write-back tier. A write-through tier stores
+  every block as soon as it is computed (:meth:`store_computed`). By default
+  shared media (Redis) write through, so other engines can hit a prefix at
+  once, and local ones (host, disk) write back; ``write_mode`` sets every
+  tier alike. Copies to host memory are synchronous (one
   memcpy); writes to disk and Redis run on the transfer engine from a
   snapshot, overlapping with the forward pass, and become loadable when they
   complete (:meth:`poll`).
@@ -26,14 +29,22 @@
   :meth:`swap_in` brings them back.
 
 Tier failures never reach the caller: an unreachable Redis is counted, its
-tier is skipped, and it is used again once it answers.
+tier is skipped, and it is used again once it answers. Each such condition
+is logged once when it starts (with what to do) and once when it ends, not
+per failure; corrupt blocks are logged as they come, summarised when they
+come in bursts. A medium that lost blocks behind the chain's back (a Redis
+restart, a server's own eviction, a deleted directory) is reconciled: the
+tiers' bookkeeping is checked against their media every
+``reconcile_interval_s`` (and after a tier comes back), and keys the medium
+no longer holds are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +58,7 @@ from kvtier.errors import (
     TierUnavailableError,
 )
 from kvtier.manager import KVCacheManager
+from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload.codec import Codec, RawCodec, make_codec, verify
 from kvtier.offload.manager import OffloadingEvent, OffloadingManager
 from kvtier.offload.media import BlockFormat, BlockStore, Stored
@@ -78,6 +90,8 @@ class TierCounters:
     vanished_blocks: int = 0
     unavailable_errors: int = 0
     adopted_blocks: int = 0
+    #: Keys the bookkeeping held that reconciliation found missing from the medium.
+    reconciled_blocks: int = 0
 
 
 class Tier:
@@ -91,6 +105,7 @@ class Tier:
         policy: str | EvictionPolicy = "lru",
         codec: str | Codec = "raw",
         name: str | None = None,
+        write_mode: str | None = None,
     ) -> None:
         self.store = store
         self.name = name or store.name
@@ -98,6 +113,14 @@ class Tier:
         self.manager = OffloadingManager(capacity_blocks, policy, medium=self.name)
         self.counters = TierCounters()
         self.fmt: BlockFormat | None = None
+        #: ``"write_back"`` or ``"write_through"`` (default: through for shared media).
+        self.write_mode: WriteMode = _write_mode(
+            write_mode, "write_through" if store.shared else "write_back"
+        )
+
+    @property
+    def writes_back(self) -> bool:
+        return self.write_mode == "write_back"
 
     @property
     def capacity(self) -> int:
@@ -106,8 +129,16 @@ class Tier:
     def __repr__(self) -> str:
         return (
             f"Tier({self.name}, {len(self.manager)}/{self.capacity} blocks, "
-            f"codec={self.codec.name}, policy={self.manager.policy.name})"
+            f"codec={self.codec.name}, policy={self.manager.policy.name}, {self.write_mode})"
         )
+
+
+def _write_mode(mode: str | None, default: WriteMode) -> WriteMode:
+    if mode is None:
+        return default
+    if mode not in WRITE_MODES:
+        raise ConfigError(f"write_mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
+    return "write_back" if mode == "write_back" else "write_through"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +178,16 @@ class TierChain:
         manager: KVCacheManager,
         tiers: Sequence[Tier],
         *,
-        write_mode: str = "write_back",
+        write_mode: str | None = None,
         transfer: TransferEngine | None = None,
         namespace: str | None = None,
+        reconcile_interval_s: float = 30.0,
+        reconcile_batch: int = 4096,
     ) -> None:
-        if write_mode not in WRITE_MODES:
-            raise ConfigError(
-                f"write_mode must be one of {', '.join(WRITE_MODES)}, got {write_mode!r}"
-            )
+        if write_mode is not None:
+            mode = _write_mode(write_mode, "write_back")
+            for tier in tiers:
+                tier.write_mode = mode
         if not tiers:
             raise ConfigError("a tier chain needs at least one tier below the device")
         names = [t.name for t in tiers]
@@ -163,7 +196,6 @@ class TierChain:
         self.storage = storage
         self.manager = manager
         self.tiers = list(tiers)
-        self.write_mode: WriteMode = "write_back" if write_mode == "write_back" else "write_through"
         self.transfer = transfer or TransferEngine(max(2, len(self.tiers)))
         self._own_transfer = transfer is None
         ns = namespace or f"{manager.hasher.root:032x}"[:16]
@@ -173,6 +205,14 @@ class TierChain:
         # callers that read stats or swap from elsewhere.
         self._lock = threading.RLock()
         self._closed = False
+        #: Degraded conditions (a tier unreachable, failing stores), logged per episode.
+        self.episodes = Episodes(log)
+        self._bursts = Summary(log)
+        self.reconcile_interval_s = reconcile_interval_s
+        self.reconcile_batch = reconcile_batch
+        self._last_reconcile = time.monotonic()
+        self._reconcile_due: set[int] = set()
+        self._reconcile_cursor: dict[int, int] = {}
         shape = tuple(storage.block_shape)
         for tier in self.tiers:
             fmt = BlockFormat(tier.codec, shape, storage.dtype, ns)
@@ -180,7 +220,7 @@ class TierChain:
             tier.store.bind(fmt, tier.capacity)
             if tier.store.persistent:
                 self._adopt_persistent(tier)
-        if self.write_mode == "write_back":
+        if self.tiers[0].writes_back:
             manager.pool.evict_listener = self._on_device_evict
 
     # -- restart ---------------------------------------------------------------------
@@ -188,8 +228,7 @@ class TierChain:
         try:
             keys = tier.store.scan()
         except TierUnavailableError as exc:
-            tier.counters.unavailable_errors += 1
-            log.warning("cannot scan the %s tier: %s", tier.name, exc)
+            self._unreachable(tier, exc)
             return
         if len(keys) > tier.capacity:
             keys = keys[-tier.capacity :]  # the newest ones
@@ -240,9 +279,10 @@ class TierChain:
                 continue
             try:
                 present = tier.store.contains(rest)
-            except TierUnavailableError:
-                tier.counters.unavailable_errors += 1
+            except TierUnavailableError as exc:
+                self._unreachable(tier, exc)
                 continue
+            self._reachable(t)
             n = 0
             while n < len(present) and present[n]:
                 n += 1
@@ -317,12 +357,9 @@ class TierChain:
         tier = self.tiers[b.tier]
         c = tier.counters
         if b.error is not None or b.stored is None:
-            if isinstance(b.error, TierUnavailableError):
-                c.unavailable_errors += 1
-            else:
-                log.warning("loading from the %s tier failed: %r", tier.name, b.error)
-                c.unavailable_errors += 1
+            self._unreachable(tier, b.error)
             return 0
+        self._reachable(b.tier)
         fmt = tier.fmt
         assert fmt is not None
         storage = self.storage
@@ -342,7 +379,12 @@ class TierChain:
                 tensor = codec.decode(payload, fmt.block_shape, fmt.dtype)
             except CorruptBlockError as exc:
                 c.corrupt_blocks += 1
-                log.warning("%s tier: %s; dropping it", tier.name, exc)
+                self._bursts.event(
+                    f"{tier.name}:corrupt",
+                    f"{tier.name} tier: {exc}; the block was dropped and is recomputed "
+                    "(repeated corruption points at failing storage)",
+                    _counted(f"{tier.name} tier: {{}} more corrupt blocks dropped"),
+                )
                 bad.append(key)
                 break
             if direct is not None:
@@ -375,8 +417,8 @@ class TierChain:
                 purge(items)
             else:
                 tier.store.delete(items)
-        except KvTierError:
-            tier.counters.unavailable_errors += 1
+        except KvTierError as exc:
+            self._unreachable(tier, exc)
         b.keys = [k for k in b.keys if k not in keys]
 
     # -- demote ------------------------------------------------------------------------
@@ -389,14 +431,26 @@ class TierChain:
             log.exception("demoting %d evicted blocks failed; they are lost", len(keys))
             self.tiers[0].counters.store_failures += len(keys)
 
+    @property
+    def write_mode(self) -> str:
+        """The tiers' common write mode, or ``"mixed"``."""
+        modes = {t.write_mode for t in self.tiers}
+        return modes.pop() if len(modes) == 1 else "mixed"
+
+    @property
+    def writes_through(self) -> bool:
+        """Whether some tier stores every block as soon as it is computed."""
+        return any(not t.writes_back for t in self.tiers)
+
     def store_computed(self, keys: Sequence[int], blocks: Sequence[int]) -> None:
-        """Store freshly computed device blocks on every tier (write-through)."""
+        """Store freshly computed device blocks on every write-through tier."""
         if not keys:
             return
         with self._lock:
             self._poll_locked()
-            for t in range(len(self.tiers)):
-                self._store_blocks(t, list(keys), list(blocks), cascade=False)
+            for t, tier in enumerate(self.tiers):
+                if not tier.writes_back:
+                    self._store_blocks(t, list(keys), list(blocks), cascade=False)
 
     def _store_blocks(
         self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
@@ -434,7 +488,7 @@ class TierChain:
         if not out.keys_to_store and not out.evicted_keys:
             return
         # Evicted blocks go down a tier; read them before their slots are reused.
-        if out.evicted_keys and cascade and self.write_mode == "write_back":
+        if out.evicted_keys and cascade and self._next_writes_back(t):
             self._cascade(t, out.evicted_keys, out.evicted_slots)
         elif out.evicted_keys and tier.store.name != "host":
             try:
@@ -449,11 +503,12 @@ class TierChain:
         if tier.store.name == "host":
             try:
                 tier.store.put(items)
-            except Exception:
-                log.exception("storing %d blocks on the %s tier failed", len(items), tier.name)
+            except Exception as exc:
                 mgr.complete_store(out.keys_to_store, success=False)
                 tier.counters.store_failures += len(items)
+                self._store_failed(tier, exc)
                 return
+            self._store_ok(tier)
             mgr.complete_store(out.keys_to_store, success=True)
             tier.counters.stored_blocks += len(items)
             tier.counters.stored_bytes += nbytes
@@ -467,10 +522,14 @@ class TierChain:
         job = self.transfer.submit("store", _Writer(tier.store, snap), t)
         self._pending[job] = (t, out.keys_to_store, nbytes)
 
+    def _next_writes_back(self, t: int) -> bool:
+        """Whether tier ``t + 1`` exists and takes what tier ``t`` evicts (write-back)."""
+        return t + 1 < len(self.tiers) and self.tiers[t + 1].writes_back
+
     def _cascade(self, t: int, keys: list[int], slots: list[int]) -> None:
         """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``."""
         tier = self.tiers[t]
-        if t + 1 >= len(self.tiers):
+        if not self._next_writes_back(t):
             if tier.store.name != "host":
                 try:
                     tier.store.delete(list(zip(keys, slots, strict=True)))
@@ -526,14 +585,96 @@ class TierChain:
                 tier.manager.complete_store(keys, success=True)
                 tier.counters.stored_blocks += len(keys)
                 tier.counters.stored_bytes += nbytes
+                self._store_ok(tier)
+                self._reachable(t)
             else:
                 tier.manager.complete_store(keys, success=False)
                 tier.counters.store_failures += len(keys)
-                if isinstance(r.error, TierUnavailableError):
-                    tier.counters.unavailable_errors += 1
-                else:
-                    log.warning("storing on the %s tier failed: %r", tier.name, r.error)
+                self._store_failed(tier, r.error)
+        self._maybe_reconcile()
         return handled
+
+    # -- degraded conditions -----------------------------------------------------------------
+    def _unreachable(self, tier: Tier, exc: BaseException | None) -> None:
+        tier.counters.unavailable_errors += 1
+        what = "cannot be reached" if isinstance(exc, TierUnavailableError) else "failed"
+        self.episodes.fail(
+            f"{tier.name}:unreachable",
+            f"the {tier.name} tier {what} ({exc}); blocks it held are recomputed and "
+            "nothing is stored there until it is back",
+        )
+
+    def _reachable(self, t: int) -> None:
+        tier = self.tiers[t]
+        if self.episodes.ok(f"{tier.name}:unreachable", f"the {tier.name} tier answers again"):
+            # What it lost meanwhile (a restarted Redis) must leave the bookkeeping.
+            self._reconcile_due.add(t)
+
+    def _store_failed(self, tier: Tier, exc: BaseException | None) -> None:
+        if isinstance(exc, TierUnavailableError):
+            self._unreachable(tier, exc)
+            return
+        self.episodes.fail(
+            f"{tier.name}:store",
+            f"storing on the {tier.name} tier fails ({type(exc).__name__}: {exc}); blocks "
+            "evicted from above are lost until it works again: check its space and "
+            "permissions",
+        )
+
+    def _store_ok(self, tier: Tier) -> None:
+        self.episodes.ok(f"{tier.name}:store", f"storing on the {tier.name} tier works again")
+
+    # -- reconciliation --------------------------------------------------------------------
+    def _maybe_reconcile(self) -> None:
+        now = time.monotonic()
+        due = self._reconcile_due
+        if now >= self._last_reconcile + self.reconcile_interval_s:
+            self._last_reconcile = now
+            due.update(range(len(self.tiers)))
+        while due:
+            self._reconcile(due.pop(), self.reconcile_batch)
+
+    def reconcile(self, limit: int | None = None) -> int:
+        """Drop keys the tiers track but their media no longer hold; returns how many.
+
+        Each call checks up to ``limit`` keys per tier (all when ``None``),
+        resuming where the previous call stopped.
+        """
+        with self._lock:
+            return sum(self._reconcile(t, limit) for t in range(len(self.tiers)))
+
+    def _reconcile(self, t: int, limit: int | None) -> int:
+        tier = self.tiers[t]
+        if not (tier.store.persistent or tier.store.shared):
+            return 0  # host memory loses nothing behind the chain's back
+        mgr = tier.manager
+        keys = mgr.ready_keys()
+        if not keys:
+            return 0
+        start = self._reconcile_cursor.get(t, 0) % len(keys)
+        batch = keys[start:] + keys[:start]
+        if limit is not None:
+            batch = batch[:limit]
+        self._reconcile_cursor[t] = start + len(batch)
+        try:
+            present = tier.store.contains(batch)
+        except TierUnavailableError as exc:
+            self._unreachable(tier, exc)
+            return 0
+        gone = [k for k, here in zip(batch, present, strict=True) if not here]
+        gone = [k for k in gone if mgr.is_ready(k) and not mgr.is_pinned(k)]
+        if not gone:
+            return 0
+        mgr.remove(gone)
+        tier.counters.reconciled_blocks += len(gone)
+        self._bursts.event(
+            f"{tier.name}:reconciled",
+            f"the {tier.name} tier's medium no longer holds {len(gone)} blocks it tracked "
+            "(a restart, the server's own eviction or deleted files); they were dropped "
+            "from its bookkeeping",
+            _counted(f"{tier.name} tier: {{}} more reconciliations dropped blocks"),
+        )
+        return len(gone)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every background store has completed (or failed)."""
@@ -651,6 +792,11 @@ class TierChain:
             self.transfer.shutdown()
         for tier in self.tiers:
             tier.store.close()
+
+
+def _counted(template: str) -> Callable[[int], str]:
+    """A summary line for a count of held-back events: ``template`` with ``{}`` for it."""
+    return template.format
 
 
 def _tail_key(root: int, request_id: object, tokens: Sequence[int]) -> int:

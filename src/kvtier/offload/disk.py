@@ -5,6 +5,9 @@ into place, so a crash mid-write leaves at most a stray temporary file
 (removed on the next start), never a partial block under a real name; the
 header's checksum catches whatever else goes wrong on the disk. A new process
 pointed at the same directory finds the blocks again (:meth:`DiskStore.scan`).
+A directory removed while the process runs is created again on the next
+write (the blocks in it are gone; the tier chain's reconciliation drops
+them from its bookkeeping).
 Files live under ``<root>/<namespace>/<2 hex digits>/<key>.kvb`` so one
 directory can serve several models and no directory grows huge.
 """
@@ -12,6 +15,7 @@ directory can serve several models and no directory grows huge.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +27,8 @@ from kvtier.offload.codec import as_buffer, make_header
 from kvtier.offload.media import BlockFormat, Stored, split_blob
 
 _SUFFIX = ".kvb"
+
+log = logging.getLogger("kvtier.offload")
 
 
 class DiskStore:
@@ -38,6 +44,7 @@ class DiskStore:
         self.fsync = fsync
         self._dir = self.root
         self._fmt: BlockFormat | None = None
+        self._lost_logged = False
 
     def bind(self, fmt: BlockFormat, capacity: int) -> None:
         self._fmt = fmt
@@ -65,7 +72,8 @@ class DiskStore:
             final = self.path(key)
             tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
             try:
-                final.parent.mkdir(exist_ok=True)
+                if not final.parent.is_dir():
+                    self._make_dir(final.parent)
                 with open(tmp, "wb") as f:
                     f.write(header)
                     f.write(as_buffer(cpu))
@@ -80,6 +88,17 @@ class DiskStore:
                     f"cannot write block file {final}: {exc}; check the disk tier's space "
                     "and permissions"
                 ) from None
+
+    def _make_dir(self, subdir: Path) -> None:
+        if not self._dir.is_dir() and not self._lost_logged:
+            self._lost_logged = True  # once, however many writes fail to recreate it
+            log.warning(
+                "the disk tier directory %s disappeared; creating it again (the blocks it "
+                "held are lost and will be recomputed)",
+                self._dir,
+            )
+        subdir.mkdir(parents=True, exist_ok=True)
+        self._lost_logged = False
 
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
         out: list[Stored | None] = []

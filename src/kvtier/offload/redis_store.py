@@ -242,6 +242,10 @@ class RedisStore:
             self._failed = True
             self._down_until = time.monotonic() + self.retry_interval_s
 
+    def ping(self) -> None:
+        """Ask Redis to answer now; raises :class:`TierUnavailableError` if it does not."""
+        self._call("PING", lambda client: client.ping())
+
     # ------------------------------------------------------------ BlockStore
 
     def put(self, items: Sequence[tuple[int, int, torch.Tensor]]) -> None:

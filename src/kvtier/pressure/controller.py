@@ -10,6 +10,12 @@ the error is logged (once per distinct message) and counted.
 Listeners registered with :meth:`on_change` are called once per mode change,
 on the sampling thread, outside the controller's lock; one that raises is
 logged and counted and the others still run.
+
+Mode changes are logged without flooding the log when the load swings across
+a threshold: a change after a quiet spell is logged at once (WARNING when it
+enters CRITICAL or EMERGENCY), and the changes that follow it within
+``log_interval`` seconds are summarised in one line (how many, the range of
+modes, the peak reading) when the interval ends.
 """
 
 from __future__ import annotations
@@ -65,6 +71,67 @@ class PressureStats:
         }
 
 
+class _ModeLog:
+    """Logs the first mode change of a quiet spell, then one summary per interval."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._window_start: float | None = None
+        self._count = 0
+        self._low: Mode | None = None
+        self._high: Mode | None = None
+        self._peak = 0.0
+
+    def change(self, change: ModeChange, now: float) -> None:
+        old, new, reading = change.old, change.new, change.reading
+        if self._window_start is None or now - self._window_start >= self.interval:
+            self.flush(now, new, force=True)
+            self._window_start = now
+            level = logging.WARNING if new >= Mode.CRITICAL and new > old else logging.INFO
+            log.log(
+                level,
+                "memory pressure %s -> %s (%s at %.1f%%)%s",
+                old.name,
+                new.name,
+                reading.source,
+                100 * reading.fraction,
+                " - new requests are held back or refused"
+                if new is Mode.EMERGENCY
+                else "",
+            )
+            return
+        self._count += 1
+        low = min(old, new)
+        high = max(old, new)
+        self._low = low if self._low is None else min(self._low, low)
+        self._high = high if self._high is None else max(self._high, high)
+        self._peak = max(self._peak, reading.fraction)
+
+    def flush(self, now: float, mode: Mode, *, force: bool = False) -> None:
+        if self._window_start is None or not self._count:
+            return
+        if not force and now - self._window_start < self.interval:
+            return
+        assert self._low is not None and self._high is not None
+        level = logging.WARNING if self._high >= Mode.CRITICAL else logging.INFO
+        log.log(
+            level,
+            "memory pressure changed mode %d more times in %.1f s, between %s and %s "
+            "(peak %.1f%%); now %s. A load swinging across a threshold: widen "
+            "--pressure-hysteresis if this repeats",
+            self._count,
+            now - self._window_start,
+            self._low.name,
+            self._high.name,
+            100 * self._peak,
+            mode.name,
+        )
+        self._window_start = now
+        self._count = 0
+        self._low = self._high = None
+        self._peak = 0.0
+
+
 class PressureController:
     """Turns readings of ``monitor`` into a :class:`Mode` and its :class:`ModeActions`."""
 
@@ -76,6 +143,7 @@ class PressureController:
         interval: float = 0.05,
         max_wait: float = 30.0,
         history: int = 1024,
+        log_interval: float = 10.0,
     ) -> None:
         if not interval > 0:
             raise ConfigError(f"interval must be positive seconds, got {interval}")
@@ -102,6 +170,7 @@ class PressureController:
         self._sample_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._mode_log = _ModeLog(log_interval)
 
     # -- reading ----------------------------------------------------------------------
     @property
@@ -133,21 +202,17 @@ class PressureController:
             self.fraction = reading.fraction
             old = self.mode
             new = self.ladder.next_mode(old, reading.fraction)
+            now = time.monotonic()
             if new is old:
+                self._mode_log.flush(now, old)
                 return old
-            change = ModeChange(old, new, reading, time.monotonic())
+            change = ModeChange(old, new, reading, now)
             with self._changed:
                 self.mode = new
                 self.mode_changes += 1
                 self.timeline.append(change)
                 self._changed.notify_all()
-            log.info(
-                "memory pressure %s -> %s (%s at %.1f%%)",
-                old.name,
-                new.name,
-                reading.source,
-                100 * reading.fraction,
-            )
+            self._mode_log.change(change, now)
             for callback in list(self._listeners):
                 try:
                     callback(change)

@@ -13,15 +13,21 @@
 
 Every bad input is answered with HTTP 400 and OpenAI's error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
-a generation that fails inside the engine is a 500 ``server_error`` (or, when
-streaming, an error event before ``[DONE]``). A client that disconnects
-cancels its request, and the blocks it computed stay cached.
+limits (:class:`~kvtier.server.limits.ServerLimits`) answer 413 (body too
+large), 408 (body too slow) and 429 with ``Retry-After`` (too many requests
+waiting); a generation that fails inside the engine is a 500 ``server_error``
+with its traceback logged (or, when streaming, an error event before
+``[DONE]``), and memory pressure refusing a request is a 503. A client that
+disconnects cancels its request, and the blocks it computed stay cached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,11 +38,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine.engine import RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.obs.metrics import render_prometheus
+from kvtier.server.limits import BodyGuard, ServerLimits
+from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.metrics import (
     PROMETHEUS_CONTENT_TYPE,
     EngineSnapshot,
@@ -47,11 +54,15 @@ from kvtier.server.metrics import (
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvtier.server.streaming import (
     SSE_HEADERS,
+    ChoiceAccumulator,
     chat_stream,
     completion_stream,
     failure_message,
+    json_bytes,
     usage_body,
 )
+
+log = logging.getLogger("kvtier.server")
 
 #: Seconds a stats read waits for the engine thread to reach a step boundary.
 SNAPSHOT_TIMEOUT_S = 30.0
@@ -71,6 +82,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -78,12 +90,21 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that never fails to render (lone surrogates are escaped)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
 
 
 def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(
+    return SafeJSONResponse(
         error_body(exc.message, type=exc.type, param=exc.param, code=exc.code),
         status_code=exc.status,
+        headers=exc.headers,
     )
 
 
@@ -92,7 +113,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 def _is_union_tag(part: str) -> bool:
     """Pydantic names the union member in an error's location: ``str``, ``list[int]``, ..."""
-    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+    return part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
 
 
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
@@ -134,20 +155,29 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
+def create_app(
+    worker: EngineWorker, *, served_model_name: str, limits: ServerLimits | None = None
+) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``worker``'s engine as ``served_model_name``.
 
     The caller owns the worker: start it before serving and stop it after.
     """
     engine = worker.engine
+    limits = limits or ServerLimits()
     created = int(time.time())
+    tokens = TokenText(engine.tokenizer)
+    max_chars = limits.max_prompt_chars or engine.max_model_len * tokens.longest_token_chars()
     app = FastAPI(
         title="kvtier",
         summary="OpenAI-compatible completions over kvtier's KV-cache manager",
         version=_version(),
+        default_response_class=SafeJSONResponse,
     )
+    app.add_middleware(BodyGuard, limits=limits)
     app.state.worker = worker
     app.state.served_model_name = served_model_name
+    app.state.limits = limits
+    app.state.max_prompt_chars = max_chars
 
     # -- errors ----------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -165,8 +195,10 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises the exception after this response, so the server logs it.
-        return JSONResponse(
+        log.error(
+            "%s %s failed: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc
+        )
+        return SafeJSONResponse(
             error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
             status_code=500,
         )
@@ -177,7 +209,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             message = f"Invalid URL ({request.method} {request.url.path})"
         else:
             message = f"{exc.detail} ({request.method} {request.url.path})"
-        return JSONResponse(
+        return SafeJSONResponse(
             error_body(message),
             status_code=exc.status_code,
             headers=exc.headers,
@@ -186,19 +218,47 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
     # -- helpers ----------------------------------------------------------------------
     def check_model(name: str) -> None:
         if name != served_model_name:
+            shown = name if len(name) <= 100 else name[:100] + "..."
             raise APIError(
                 400,
-                f"The model '{name}' does not exist: this server serves '{served_model_name}'",
+                f"The model '{shown}' does not exist: this server serves '{served_model_name}'",
                 param="model",
                 code="model_not_found",
             )
 
-    def make_params(max_tokens: int, kwargs: dict[str, Any]) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+    def check_chars(count: int, param: str) -> None:
+        if count > max_chars:
+            raise APIError(
+                400,
+                f"the prompt has {count:,} characters; this server accepts at most "
+                f"{max_chars:,} (no prompt that long fits the model's context of "
+                f"{engine.max_model_len} tokens): shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
-    async def submit(ids: list[int], params: SamplingParams, *, prompt_param: str) -> RequestHandle:
+    def retry_after() -> str:
+        c = engine.counters
+        mean = c.e2e_seconds / c.e2e_count if c.e2e_count else 1.0
+        waiting = max(worker.in_flight - engine.max_num_seqs, 1)
+        return str(min(max(math.ceil(waiting * mean / engine.max_num_seqs), 1), 60))
+
+    def admit() -> None:
         if not worker.alive:
             raise APIError(503, "the engine is not running", type="server_error")
+        cap = engine.max_num_seqs + limits.max_queued
+        if worker.in_flight >= cap:
+            raise APIError(
+                429,
+                f"too many requests: {cap} are already queued or running (the server's "
+                "--max-queued-requests); retry after the Retry-After header's seconds",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after()},
+            )
+
+    async def submit(ids: list[int], params: SamplingParams, *, prompt_param: str) -> RequestHandle:
+        admit()
         try:
             return worker.submit(ids, params, loop=asyncio.get_running_loop())
         except BadRequestError as exc:
@@ -222,16 +282,14 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
         except TimeoutError:
             raise APIError(503, "the engine did not answer in time", type="server_error") from None
 
-    async def collect(handle: RequestHandle, request: Request) -> tuple[str, RequestOutput]:
-        """All of a request's text and its last output; cancels it if the client leaves."""
-        parts: list[str] = []
-        last: list[RequestOutput] = []
+    async def collect(handle: RequestHandle, request: Request) -> ChoiceAccumulator:
+        """Every choice of a request; cancels it if the client leaves."""
+        acc = ChoiceAccumulator(handle.n)
 
         async def consume() -> None:
             async with contextlib.aclosing(handle.stream()) as outs:
                 async for out in outs:
-                    parts.append(out.text)
-                    last.append(out)
+                    acc.add(out)
 
         task = asyncio.ensure_future(consume())
         try:
@@ -244,7 +302,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             if not task.done():
                 task.cancel()
                 handle.cancel()
-        return "".join(parts), last[-1]
+        return acc
 
     async def respond(
         handle: RequestHandle,
@@ -254,36 +312,40 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
         streaming: bool,
         include_usage: bool,
         stream: Callable[..., AsyncIterator[bytes]],
-        choice: Callable[[str], dict[str, Any]],
+        choice: Callable[[str, list[Any]], dict[str, Any]],
     ) -> JSONResponse | StreamingResponse:
         """A completion's response: SSE when streaming, else one OpenAI-shaped JSON body."""
         now = int(time.time())
         if streaming:
             return StreamingResponse(
-                stream(handle, rid, now, served_model_name, include_usage),
+                stream(handle, rid, now, served_model_name, include_usage, tokens),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        text, last = await collect(handle, request)
-        if last.finish_reason == "rejected":
-            raise APIError(503, failure_message(last), type="server_error")
-        if last.finish_reason not in ("stop", "length"):
-            raise APIError(500, failure_message(last), type="server_error")
-        return JSONResponse(
+        acc = await collect(handle, request)
+        failed = acc.failure()
+        if failed is not None:
+            if failed.finish_reason == "rejected":
+                raise APIError(503, failure_message(failed), type="server_error")
+            raise APIError(500, failure_message(failed), type="server_error")
+        choices = []
+        for i, c in enumerate(acc.choices):
+            assert c.last is not None
+            choices.append(
+                {
+                    "index": i,
+                    **choice("".join(c.text), c.logprobs),
+                    "finish_reason": c.last.finish_reason,
+                }
+            )
+        return SafeJSONResponse(
             {
                 "id": rid,
                 "object": kind,
                 "created": now,
                 "model": served_model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        **choice(text),
-                        "logprobs": None,
-                        "finish_reason": last.finish_reason,
-                    }
-                ],
-                "usage": usage_body(last),
+                "choices": choices,
+                "usage": usage_body(acc.finals()),
                 "system_fingerprint": None,
             }
         )
@@ -294,13 +356,32 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
         body: ChatCompletionRequest, request: Request
     ) -> JSONResponse | StreamingResponse:
         check_model(body.model)
+        if len(body.messages) > limits.max_messages:
+            raise APIError(
+                400,
+                f"a chat request may have at most {limits.max_messages} messages, got "
+                f"{len(body.messages)} (the server's --max-messages)",
+                param="messages",
+            )
         messages = body.to_messages()
-        kwargs = body.sampling_kwargs(engine.sampling_defaults)
-        ids = await asyncio.to_thread(engine.encode_chat, messages)
+        check_chars(sum(len(m["content"]) for m in messages), "messages")
         requested = body.requested_max_tokens()
-        max_tokens = max(engine.max_model_len - len(ids), 1) if requested is None else requested
-        params = make_params(max_tokens, kwargs)
+        # Parameters are checked before the prompt is tokenized: a bad one costs nothing.
+        params = body.sampling_params(requested or 1, engine.sampling_defaults)
+        admit()
+        ids = await asyncio.to_thread(engine.encode_chat, messages)
+        if requested is None:
+            params = dataclasses.replace(
+                params, max_tokens=max(engine.max_model_len - len(ids), 1)
+            )
         handle = await submit(ids, params, prompt_param="messages")
+
+        def choice(text: str, lps: list[Any]) -> dict[str, Any]:
+            return {
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": chat_logprobs(tokens, lps) if params.logprobs is not None else None,
+            }
+
         return await respond(
             handle,
             request,
@@ -309,7 +390,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             body.streaming,
             body.include_usage,
             chat_stream,
-            lambda text: {"message": {"role": "assistant", "content": text, "refusal": None}},
+            choice,
         )
 
     @app.post("/v1/completions", response_model=None)
@@ -318,14 +399,20 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
     ) -> JSONResponse | StreamingResponse:
         check_model(body.model)
         body.check_supported()
-        kwargs = body.sampling_kwargs(engine.sampling_defaults)
         prompt = body.single_prompt()
-        params = make_params(body.requested_max_tokens(), kwargs)
+        params = body.sampling_params(body.requested_max_tokens(), engine.sampling_defaults)
         if isinstance(prompt, str):
+            check_chars(len(prompt), "prompt")
+            admit()
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         else:
             ids = prompt
         handle = await submit(ids, params, prompt_param="prompt")
+
+        def choice(text: str, lps: list[Any]) -> dict[str, Any]:
+            lp = completion_logprobs(tokens, lps) if params.logprobs is not None else None
+            return {"text": text, "logprobs": lp}
+
         return await respond(
             handle,
             request,
@@ -334,7 +421,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
             body.streaming,
             body.include_usage,
             completion_stream,
-            lambda text: {"text": text},
+            choice,
         )
 
     @app.get("/v1/models")
@@ -355,8 +442,9 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse:
         if worker.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+            return SafeJSONResponse({"status": "ok"})
+        reason = "stopped" if worker.fatal is None else f"failed: {worker.fatal!r}"
+        return SafeJSONResponse({"status": "unavailable", "engine": reason}, status_code=503)
 
     @app.get("/metrics", response_model=None)
     async def metrics() -> Response:
@@ -382,6 +470,7 @@ def create_app(worker: EngineWorker, *, served_model_name: str) -> FastAPI:
                 "computed_prompt_tokens": snap.computed_prompt_tokens,
                 "generation_tokens": snap.generation_tokens,
                 "preemptions": snap.preemptions,
+                "forked_sequences": snap.forked_sequences,
                 "forward_errors": snap.forward_errors,
                 "ttft_count": ttft.count,
                 "ttft_mean_s": ttft.sum / ttft.count if ttft.count else None,

@@ -40,6 +40,8 @@ class EngineSnapshot:
     ttft: Histogram
     last: dict[str, float | int | None] | None
     loaded_prompt_tokens: int = 0
+    #: Choices started by forking a computed prompt (``n > 1``).
+    forked_sequences: int = 0
     #: Per tier below the device: occupancy and counters (empty without tiers).
     tiers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     #: The pressure controller's state (``None`` without pressure handling).
@@ -64,6 +66,7 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         ttft=c.ttft.copy(),
         last=None if c.last is None else c.last.as_dict(),
         loaded_prompt_tokens=c.loaded_prompt_tokens,
+        forked_sequences=c.forked_sequences,
         tiers={} if engine.tiers is None else engine.tiers.stats(),
         pressure=None if engine.pressure is None else engine.pressure.stats(),
     )
@@ -168,6 +171,11 @@ def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
             "counter",
             "Prompt tokens whose KV was loaded from a tier below the device.",
         ).add(snap.loaded_prompt_tokens),
+        MetricFamily(
+            "kvtier_forked_sequences_total",
+            "counter",
+            "Choices (n > 1) started from a shared, computed prompt instead of recomputing it.",
+        ).add(snap.forked_sequences),
         *tier_families(snap.tiers),
         *pressure_families(snap.pressure, snap.stats.pressure_evictions),
     ]
@@ -217,6 +225,7 @@ _TIER_ERRORS = {
     "unavailable": "unavailable_errors",
     "store_failed": "store_failures",
     "dropped": "dropped_blocks",
+    "reconciled": "reconciled_blocks",
 }
 
 
@@ -238,7 +247,8 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[MetricFamily]:
         "kvtier_tier_errors_total",
         "counter",
         "Tier problems: corrupt or vanished blocks (served as misses), unreachable media, "
-        "failed stores, demotions dropped for lack of room.",
+        "failed stores, demotions dropped for lack of room, blocks the medium lost "
+        "(found by reconciliation).",
     )
     for name, d in tiers.items():
         used.add(d["used_blocks"], tier=name)

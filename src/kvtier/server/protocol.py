@@ -1,61 +1,102 @@
-"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+"""Request bodies of the OpenAI-compatible endpoints, as strict pydantic models.
 
 :class:`ChatCompletionRequest` is the body of ``POST /v1/chat/completions``
-and :class:`CompletionRequest` that of ``POST /v1/completions``. They accept
-what the official OpenAI clients send; fields kvtier does not know are
-ignored, and fields it knows but cannot honour (``n`` > 1, ``echo``,
-``best_of`` > 1, ``suffix``, non-text message parts) raise
-:class:`~kvtier.errors.BadRequestError` from the ``to_*`` helpers, which the
-server reports as HTTP 400. Sampling values are checked by
-:class:`~kvtier.engine.sampling.SamplingParams` itself.
+and :class:`CompletionRequest` that of ``POST /v1/completions``. They follow
+OpenAI's schema strictly: booleans are not numbers, numbers are not strings,
+roles are an enum, content is required where the schema requires it, every
+number has OpenAI's range, and text must be valid Unicode (a lone surrogate
+is refused, since it cannot be encoded). Fields kvtier does not know are
+ignored, as OpenAI's newer fields would be; fields it knows but cannot
+honour (tools, ``response_format`` other than text, ``echo``, ``suffix``,
+``best_of`` > 1, audio, non-text content parts) are refused by name with
+:class:`~kvtier.errors.BadRequestError`, which the server reports as HTTP
+400 — never silently ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kvtier.engine.sampling import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from kvtier.errors import BadRequestError
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: ``/v1/completions`` returns at most this many alternatives per token (OpenAI's limit).
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # The message must not echo the text: it could not be encoded in a response either.
+        raise ValueError(
+            "text is not valid Unicode (it holds a lone surrogate such as \\ud800): "
+            "send UTF-8 text"
+        ) from None
+    return text
+
+
+#: A string that can be encoded (no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Body(BaseModel):
-    """A request-body model that ignores unknown fields."""
+    """A strict request-body model that ignores unknown fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class ContentPart(_Body):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ChatMessage(_Body):
     """One chat message: a role and its content (a string or a list of text parts)."""
 
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Role
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: Text | None = None
 
     def text(self, index: int) -> str:
-        """The content as one string; raises for parts other than text."""
+        """The content as one string; raises for what kvtier cannot serve."""
+        where = f"messages[{index}]"
+        if self.role in ("tool", "function"):
+            raise BadRequestError(
+                f"{self.role} messages are not supported: kvtier serve does no tool calling",
+                param=f"{where}.role",
+            )
+        if self.tool_calls:
+            raise BadRequestError(
+                "tool_calls are not supported: kvtier serve does no tool calling",
+                param=f"{where}.tool_calls",
+            )
         content = self.content
         if content is None:
-            return ""
+            raise BadRequestError(
+                f"{where}.content is required for a {self.role} message", param=f"{where}.content"
+            )
         if isinstance(content, str):
             return content
         pieces: list[str] = []
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:
                 raise BadRequestError(
-                    f"only text content parts are supported, got a part of type {part.type!r}",
-                    param=f"messages[{index}].content[{j}]",
+                    f"only text content parts are supported by this model, got a part of type "
+                    f"{part.type!r}",
+                    param=f"{where}.content[{j}]",
                 )
             pieces.append(part.text)
         return "".join(pieces)
@@ -65,18 +106,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+MaxTokens = Annotated[int, Field(ge=1)]
+Choices = Annotated[int, Field(ge=1, le=MAX_N)]
+Stop = Text | Annotated[list[Text], Field(max_length=4)]
+
+
 class _Sampling(_Body):
     """The fields both endpoints share."""
 
-    model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: Text
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None
+    n: Choices | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[Text, Bias] | None = None
+    user: Text | None = None
 
     @property
     def streaming(self) -> bool:
@@ -90,14 +144,13 @@ class _Sampling(_Body):
             and (self.stream_options.include_usage)
         )
 
-    def check_n(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise BadRequestError(
-                f"n must be 1 (kvtier generates one choice per request), got {self.n}", param="n"
-            )
+    def _logprobs(self) -> int | None:
+        return None
 
-    def sampling_kwargs(self, defaults: Mapping[str, float] | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``SamplingParams`` (besides ``max_tokens``).
+    def sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, float] | None = None
+    ) -> SamplingParams:
+        """The request's :class:`SamplingParams`.
 
         ``defaults`` fills ``temperature`` and ``top_p`` when the request
         leaves them out (the served model's recommended values); without
@@ -111,22 +164,49 @@ class _Sampling(_Body):
             stop = (self.stop,)
         else:
             stop = tuple(self.stop)
-        return {
-            "temperature": defaults.get("temperature", 1.0)
+        bias: dict[int, float] = {}
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit() or len(token) > 12:
+                raise BadRequestError(
+                    f"logit_bias keys must be token ids written as decimal strings, got {token!r}",
+                    param="logit_bias",
+                )
+            bias[int(token)] = value
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.get("temperature", 1.0)
             if self.temperature is None
             else self.temperature,
-            "top_p": defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
-            "stop": stop,
-            "seed": self.seed,
-        }
+            top_p=defaults.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            stop=stop,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=bias,
+            logprobs=self._logprobs(),
+            n=self.n or 1,
+        )
 
 
 class ChatCompletionRequest(_Sampling):
     """The body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Known and refused: kvtier serves plain text generation.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: list[Text] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``; None: up to the context."""
@@ -134,17 +214,58 @@ class ChatCompletionRequest(_Sampling):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequestError(
+                "top_logprobs needs logprobs set to true", param="top_logprobs"
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        """Refuse, by name, what the request asks for that kvtier cannot do."""
+        if self.tools:
+            raise BadRequestError(
+                "tools are not supported: kvtier serve does no tool calling (leave tools out)",
+                param="tools",
+            )
+        if self.tool_choice not in (None, "none"):
+            raise BadRequestError(
+                "tool_choice is not supported: kvtier serve does no tool calling",
+                param="tool_choice",
+            )
+        if self.functions:
+            raise BadRequestError(
+                "functions are not supported (no tool calling)", param="functions"
+            )
+        if self.function_call not in (None, "none"):
+            raise BadRequestError(
+                "function_call is not supported (no tool calling)", param="function_call"
+            )
+        fmt = self.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt == {"type": "text"}):
+            raise BadRequestError(
+                "response_format is not supported: only plain text is generated "
+                "(no JSON mode or structured output)",
+                param="response_format",
+            )
+        if self.audio is not None:
+            raise BadRequestError("audio output is not supported", param="audio")
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            raise BadRequestError(
+                "output modalities other than text are not supported", param="modalities"
+            )
+        if self.prediction is not None:
+            raise BadRequestError("predicted outputs are not supported", param="prediction")
+        if self.web_search_options is not None:
+            raise BadRequestError("web search is not supported", param="web_search_options")
+
     def to_messages(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for the chat template; checks what kvtier supports."""
-        self.check_n()
+        self.check_supported()
         if not self.messages:
             raise BadRequestError("messages must be a non-empty list", param="messages")
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            if not m.role:
-                raise BadRequestError(
-                    "a message role must be non-empty", param=f"messages[{i}].role"
-                )
             # "developer" is OpenAI's newer name for the system role.
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": m.text(i)})
@@ -154,23 +275,28 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0)]] | list[
+        list[Annotated[int, Field(ge=0)]]
+    ]
+    max_tokens: MaxTokens | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: Text | None = None
 
     def requested_max_tokens(self) -> int:
         if self.max_tokens is None:
             return DEFAULT_COMPLETION_MAX_TOKENS
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
-        self.check_n()
         if self.echo:
             raise BadRequestError("echo is not supported", param="echo")
         if self.best_of is not None and self.best_of != 1:
-            raise BadRequestError("best_of must be 1", param="best_of")
+            raise BadRequestError("best_of must be 1 (use n for several choices)", param="best_of")
         if self.suffix:
             raise BadRequestError("suffix is not supported", param="suffix")
 
@@ -183,7 +309,7 @@ class CompletionRequest(_Sampling):
             raise BadRequestError("prompt must not be empty", param="prompt")
         first = p[0]
         if isinstance(first, int):
-            return [int(t) for t in p if isinstance(t, int)]
+            return [t for t in p if isinstance(t, int)]
         if len(p) != 1:
             raise BadRequestError(
                 f"only one prompt per request is supported, got {len(p)}", param="prompt"

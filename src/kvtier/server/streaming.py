@@ -1,9 +1,10 @@
-"""OpenAI-shaped response pieces: usage, failures, and server-sent event streams.
+"""OpenAI-shaped response pieces: usage, failures, choices, and server-sent event streams.
 
-A streamed completion is a series of ``data: {chunk}`` events, a usage
-event when asked for, then ``data: [DONE]``; a request that fails sends an
-OpenAI error event instead of its final chunk, and a client that goes away
-cancels its request.
+A streamed completion is a series of ``data: {chunk}`` events (one choice
+per chunk, tagged with its ``index``), a usage event when asked for, then
+``data: [DONE]``; a request that fails sends an OpenAI error event instead
+of its final chunk, and a client that goes away cancels its request.
+:class:`ChoiceAccumulator` gathers a non-streamed request's choices.
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.engine import RequestOutput
+from kvtier.engine.sampling import TokenLogprob
 from kvtier.engine.worker import RequestHandle
+from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.protocol import error_body
 
 
-def usage_body(out: RequestOutput) -> dict[str, Any]:
-    m = out.metrics
+def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of a request from its choices' last outputs: the prompt counts once."""
+    m = outs[0].metrics
+    completion = sum(o.metrics.completion_tokens for o in outs)
     return {
         "prompt_tokens": m.prompt_tokens,
-        "completion_tokens": m.completion_tokens,
-        "total_tokens": m.prompt_tokens + m.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": m.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
     }
 
@@ -34,12 +40,52 @@ def failure_message(out: RequestOutput) -> str:
     return f"generation failed: {out.error or 'unknown engine error'}"
 
 
+def json_bytes(data: Any) -> bytes:
+    """JSON as UTF-8; text that cannot be encoded (a lone surrogate) is escaped, never fatal."""
+    try:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else json_bytes(data)
+    return b"data: " + payload + b"\n\n"
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+
+class ChoiceAccumulator:
+    """A request's outputs gathered per choice, for a non-streamed response."""
+
+    def __init__(self, n: int) -> None:
+        self.choices = [_Choice() for _ in range(n)]
+
+    def add(self, out: RequestOutput) -> None:
+        c = self.choices[out.index]
+        c.text.append(out.text)
+        c.logprobs.extend(out.logprobs)
+        if out.finished:
+            c.last = out
+
+    def finals(self) -> list[RequestOutput]:
+        out = [c.last for c in self.choices if c.last is not None]
+        return out
+
+    def failure(self) -> RequestOutput | None:
+        """The first choice that ended other than by stop or length, if any."""
+        for c in self.choices:
+            if c.last is not None and c.last.finish_reason not in ("stop", "length"):
+                return c.last
+        return None
 
 
 async def _stream_outputs(
@@ -51,11 +97,8 @@ async def _stream_outputs(
     on_output: Callable[[RequestOutput], list[dict[str, Any]]],
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE events for a request's outputs, a usage event, then ``[DONE]``.
-
-    A request that ends in an error sends an OpenAI error event instead of its
-    final chunk. If the client disconnects, the request is cancelled.
-    """
+    """SSE events for a request's outputs, a usage event, then ``[DONE]``."""
+    finals: list[RequestOutput] = []
     try:
         async with contextlib.aclosing(handle.stream()) as outs:
             async for out in outs:
@@ -64,9 +107,12 @@ async def _stream_outputs(
                     break
                 for chunk in on_output(out):
                     yield _sse(chunk)
-                if out.finished and include_usage:
+                if out.finished:
+                    finals.append(out)
+            else:
+                if include_usage and finals:
                     usage = _envelope(rid, kind, created, model, [])
-                    usage["usage"] = usage_body(out)
+                    usage["usage"] = usage_body(finals)
                     yield _sse(usage)
         yield _sse("[DONE]")
     finally:
@@ -88,13 +134,18 @@ def _envelope(
 
 
 def chat_stream(
-    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    tokens: TokenText,
 ) -> AsyncIterator[bytes]:
     """SSE events of a chat completion: ``chat.completion.chunk`` objects."""
-    first = [True]
+    started: set[int] = set()
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         body = _envelope(rid, "chat.completion.chunk", created, model, [choice])
         if include_usage:
             body["usage"] = None
@@ -102,13 +153,15 @@ def chat_stream(
 
     def on_output(out: RequestOutput) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
-        if first[0]:
-            first[0] = False
-            chunks.append(chunk({"role": "assistant", "content": ""}, None))
-        if out.text:
-            chunks.append(chunk({"content": out.text}, None))
+        i = out.index
+        if i not in started:
+            started.add(i)
+            chunks.append(chunk(i, {"role": "assistant", "content": ""}, None, None))
+        lp = chat_logprobs(tokens, list(out.logprobs)) if out.logprobs else None
+        if out.text or lp is not None:
+            chunks.append(chunk(i, {"content": out.text}, None, lp))
         if out.finished:
-            chunks.append(chunk({}, out.finish_reason))
+            chunks.append(chunk(i, {}, out.finish_reason, None))
         return chunks
 
     return _stream_outputs(
@@ -117,12 +170,23 @@ def chat_stream(
 
 
 def completion_stream(
-    handle: RequestHandle, rid: str, created: int, model: str, include_usage: bool
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    tokens: TokenText,
 ) -> AsyncIterator[bytes]:
     """SSE events of a text completion: ``text_completion`` objects."""
+    offsets: dict[int, int] = {}
 
-    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(out: RequestOutput, finish: str | None) -> dict[str, Any]:
+        lp = None
+        if out.logprobs:
+            start = offsets.get(out.index, 0)
+            lp = completion_logprobs(tokens, list(out.logprobs), start)
+            offsets[out.index] = start + sum(len(t) for t in lp["tokens"])
+        choice = {"index": out.index, "text": out.text, "logprobs": lp, "finish_reason": finish}
         body = _envelope(rid, "text_completion", created, model, [choice])
         if include_usage:
             body["usage"] = None
@@ -130,7 +194,7 @@ def completion_stream(
 
     def on_output(out: RequestOutput) -> list[dict[str, Any]]:
         if out.finished:
-            return [chunk(out.text, out.finish_reason)]
-        return [chunk(out.text, None)] if out.text else []
+            return [chunk(out, out.finish_reason)]
+        return [chunk(out, None)] if out.text or out.logprobs else []
 
     return _stream_outputs(handle, "text_completion", rid, created, model, on_output, include_usage)

@@ -1,0 +1,210 @@
+"""``kvtier replay``: replay a request trace through the cache, policies side by side with MIN."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.policy import available_policies, make_policy
+
+_REPLAY_EPILOG = """\
+trace formats (JSONL, one request per line; the first line decides; .gz is read too):
+  Mooncake     {"timestamp": 0, "input_length": 6758, "output_length": 500,
+                "hash_ids": [0, 1, 2, ...]}
+               hash_ids name the prompt's blocks of 512 tokens, prefix-chained
+               (two requests sharing their first k ids share their first k blocks);
+               there are ceil(input_length / 512) ids, the last maybe partial.
+  token-level  {"tokens": [101, 2023, ...], "timestamp": 0.5, "output_tokens": [...]}
+               timestamp and output_tokens are optional; block keys are computed
+               with kvtier's BlockHasher, blocks of --block-size tokens (default 16).
+  With no TRACE, a bundled 600-request sample of the Mooncake conversation
+  trace is replayed.
+
+capacity (one or more; blocks, tokens or a share of the trace's unique blocks):
+  2048, 2k     blocks (k, M, G are 1024, 1024^2, 1024^3)
+  65536t, 64kt tokens, rounded down to whole blocks
+  5%, 0.5%     percent of the distinct block keys in the trace
+  default: 1% 5% 10%
+
+models:
+  prefix  (default) each request is allocated and freed on a real KVCacheManager
+          with the policy: hits are the longest cached prefix, as in serving.
+          --window K keeps up to K requests live (oldest freed first).
+  block   every block access is one cache get (as in libCacheSim): hit ->
+          policy.access; miss -> policy.admit, policy.evict when full,
+          policy.insert. Any block can hit, chains are ignored.
+
+metrics (totals over the trace):
+  block hit   block accesses whose key was cached at access time
+  prefix hit  blocks in each request's leading run of hits / its blocks
+  token hit   prompt tokens served from cache / prompt tokens
+  MIN         Belady's offline optimum with bypass on the same accesses: the
+              upper bound on block hits; gap = MIN - policy, in points
+  ops/s       block accesses replayed per second of the simulation loop
+
+examples:
+  kvtier replay
+  kvtier replay trace.jsonl --policy all --capacity 1% 5% 10% --model block
+  kvtier replay trace.jsonl -p lru -c 64kt 1Mt --json-out out.json --plot out.png
+"""
+
+
+def _policy_names(requested: Sequence[str] | None) -> list[str]:
+    """Expand ``all`` and drop repeats; unknown names raise ConfigError here, early."""
+    names: list[str] = []
+    for name in requested or ["lru"]:
+        expanded = available_policies() if name.lower() == "all" else [name]
+        for n in expanded:
+            if n.lower() not in (x.lower() for x in names):
+                make_policy(n)  # validates the name or import path
+                names.append(n)
+    return names
+
+
+def _trace_swallowed(args: argparse.Namespace) -> None:
+    """Take the trace back from ``--policy``/``--capacity`` when it was written after them.
+
+    Both options take several values, so ``kvtier replay -p lru arc t.jsonl``
+    parses ``t.jsonl`` as a policy. An existing file there is not a policy or a
+    capacity, so it can only be the trace.
+    """
+    if args.trace is not None:
+        return
+    for values in (args.policy, args.capacity):
+        if values and len(values) > 1 and os.path.isfile(values[-1]):
+            args.trace = values.pop()
+            return
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so ``kvtier info`` stays fast and replay-free.
+    from kvtier.replay.capacity import parse_capacity
+    from kvtier.replay.progress import ProgressBar, want_progress
+    from kvtier.replay.report import format_table, resolve_capacities, run_replay, to_json
+    from kvtier.replay.traces import load_sample_trace, load_trace
+
+    _trace_swallowed(args)
+    policies = _policy_names(args.policy)
+    capacities = [parse_capacity(c) for c in (args.capacity or ["1%", "5%", "10%"])]
+    if args.window < 1:
+        raise ConfigError(f"--window must be at least 1, got {args.window}")
+    if args.model == "block" and args.window != 1:
+        raise ConfigError("--window applies to the prefix model only")
+    started = time.perf_counter()
+    if args.trace is None:
+        trace = load_sample_trace(block_size=args.block_size, limit=args.limit)
+    else:
+        trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    load_seconds = time.perf_counter() - started
+    points = resolve_capacities(trace, capacities)
+    bar = ProgressBar(
+        len(policies) * len(points) * len(trace.requests), enabled=want_progress(args.progress)
+    )
+    try:
+        report = run_replay(
+            trace, policies, capacities, model=args.model, window=args.window, progress=bar
+        )
+    finally:
+        bar.close()
+    report.load_seconds = load_seconds
+    data = to_json(report)
+    skipped: dict[int, int] = {}
+    for r in report.results:
+        if r.skipped_requests:
+            skipped[r.capacity_blocks] = max(skipped.get(r.capacity_blocks, 0), r.skipped_requests)
+    for blocks, count in skipped.items():
+        print(
+            f"kvtier: warning: at {blocks} blocks, {count} of {len(trace.requests)} requests "
+            "need more blocks than the cache holds; they were skipped and counted as misses",
+            file=sys.stderr,
+        )
+    if args.json_out:
+        try:
+            with open(args.json_out, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=2)
+                fh.write("\n")
+        except OSError as exc:
+            raise ConfigError(f"cannot write {args.json_out}: {exc}") from None
+    if args.plot:
+        from kvtier.replay.plot import plot_report
+
+        plot_report(report, args.plot)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_table(report))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    replay = sub.add_parser(
+        "replay",
+        help="replay a request trace through the cache and compare policies with MIN",
+        description="Replay a request trace through kvtier's cache with one or more "
+        "eviction policies at one or more capacities, next to Belady's offline optimum.",
+        epilog=_REPLAY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument(
+        "trace",
+        nargs="?",
+        metavar="TRACE",
+        help="trace file (.jsonl or .jsonl.gz); default: the bundled sample",
+    )
+    replay.add_argument(
+        "-p",
+        "--policy",
+        nargs="+",
+        action="extend",
+        metavar="P",
+        help=f"policies to compare, or 'all' (registered: {', '.join(available_policies())}; "
+        "also an import path pkg.mod:Class); default lru",
+    )
+    replay.add_argument(
+        "-c",
+        "--capacity",
+        nargs="+",
+        action="extend",
+        metavar="C",
+        help="cache sizes: blocks (2048), tokens (64kt) or %% of unique blocks (5%%); "
+        "default 1%% 5%% 10%%",
+    )
+    replay.add_argument(
+        "--model",
+        choices=("prefix", "block"),
+        default="prefix",
+        help="prefix: a real KVCacheManager (default); block: block-level cache gets",
+    )
+    replay.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        metavar="K",
+        help="prefix model: requests live at once, oldest freed first (default 1)",
+    )
+    replay.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    replay.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        help="tokens per block (default 512 for Mooncake traces, 16 for token-level ones)",
+    )
+    replay.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    replay.add_argument("--json-out", metavar="FILE", help="also write the JSON to FILE")
+    replay.add_argument(
+        "--plot", metavar="FILE.png", help="plot hit ratio against capacity (needs matplotlib)"
+    )
+    replay.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: only when stderr is a terminal)",
+    )
+    replay.set_defaults(func=run)

@@ -1,0 +1,690 @@
+"""``kvtier serve``: an OpenAI-compatible server over the reference engine.
+
+The flags (or ``--config FILE``, a TOML file of the same settings, which the
+flags override) become an :class:`~kvtier.engine.config.EngineConfig` and
+:class:`~kvtier.server.limits.ServerLimits`. Everything cheap is checked
+before the model loads: the port, the model's files and geometry, the KV
+cache's size against the context length and the chat template, the tiers'
+sizes and whether their media answer. The engine runs on one thread; if
+that thread dies, ``/health`` turns unhealthy and the process exits with
+status 70 so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.cli.args import (
+    arg,
+    float_in,
+    non_negative_int,
+    parse_memory_size,
+    policy_name,
+    port,
+    positive_int,
+    thresholds,
+)
+from kvtier.errors import ConfigError
+from kvtier.policy import available_policies
+from kvtier.pressure.detect import MONITOR_NAMES
+
+log = logging.getLogger("kvtier.serve")
+
+#: The exit status when the engine thread dies (EX_SOFTWARE): a supervisor should restart.
+EXIT_ENGINE_FAILED = 70
+
+_EPILOG = """\
+The server speaks OpenAI's API: point any OpenAI client at http://HOST:PORT/v1
+(the API key is not checked). Besides /v1/chat/completions, /v1/completions and
+/v1/models it serves /health, /metrics (Prometheus) and /v1/cache/stats (JSON:
+prefix-cache hits, KV blocks, evictions).
+
+The KV cache holds --kv-cache-memory worth of blocks of --block-size tokens
+(or exactly --num-blocks); finished requests' blocks stay cached and later
+requests sharing a prefix reuse them. Nothing is ever downloaded: --model is
+a local Hugging Face model directory or a .gguf file.
+
+tiers (--tier, repeatable, fastest first; URL settings: size, codec, policy, write):
+  host:4GiB                                  host memory (pinned when CUDA is present)
+  disk:/var/cache/kvtier?size=100GiB&codec=int8   files that survive restarts
+  redis://10.0.0.5:6379/0?size=16GiB         shared by every engine on that Redis
+  redis+cluster://10.0.0.5:7000,10.0.0.6:7001    a Redis Cluster
+  Shared media (Redis) write through by default (other engines hit a prefix at
+  once), local ones write back (a block moves down when evicted); write=back
+  or write=through, or --write-mode for every tier, overrides that.
+
+config file (--config FILE): TOML with the flags' names (dashes or underscores),
+optionally grouped in tables, e.g.
+  port = 9000
+  kv_cache_memory = "1GiB"
+  tier = ["host:4GiB", "disk:/var/cache/kvtier?size=100GiB"]
+  [pressure]
+  pressure = "pool"
+Flags given on the command line override the file.
+
+examples:
+  kvtier serve
+  kvtier serve --port 9000 --kv-cache-memory 1GiB --policy arc
+  kvtier serve --tier host:2GiB --tier redis://127.0.0.1:6379/0
+  kvtier serve --model ./Qwen2.5-0.5B-Instruct --served-model-name qwen --dtype bfloat16
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def _tier_specs(args: argparse.Namespace) -> list[Any]:
+    """The tiers the flags ask for, fastest first (``--tier`` URLs, then the older flags)."""
+    from kvtier.offload.config import TierSpec
+
+    specs: list[Any] = [TierSpec.from_url(url, policy=args.policy) for url in args.tier or ()]
+    if args.host_tier:
+        specs.append(TierSpec("host", args.host_tier, codec=args.host_codec, policy=args.policy))
+    if args.disk_tier:
+        specs.append(
+            TierSpec(
+                "disk",
+                args.disk_tier_size,
+                codec=args.disk_codec,
+                policy=args.policy,
+                path=os.path.expanduser(args.disk_tier),
+            )
+        )
+    if args.redis_url:
+        specs.append(
+            TierSpec(
+                "redis",
+                args.redis_tier_size,
+                codec=args.redis_codec,
+                policy=args.policy,
+                url=args.redis_url,
+                cluster=args.redis_cluster,
+            )
+        )
+    order = {"host": 0, "disk": 1, "redis": 2}
+    media = [s.medium for s in specs]
+    if len(set(media)) != len(media):
+        raise ConfigError(f"each medium may be given once; got tiers {', '.join(media)}")
+    if media != sorted(media, key=order.__getitem__):
+        raise ConfigError(
+            f"tiers must go fastest first (host, disk, redis); got {', '.join(media)}"
+        )
+    return specs
+
+
+def _pressure_spec(args: argparse.Namespace) -> Any:
+    """The pressure settings the flags ask for (``None``: off)."""
+    if args.pressure == "off":
+        return None
+    from kvtier.pressure.config import PressureSpec
+
+    extra = {} if args.pressure_thresholds is None else {"thresholds": args.pressure_thresholds}
+    return PressureSpec(
+        monitor=args.pressure,
+        interval=args.pressure_interval,
+        hysteresis=args.pressure_hysteresis,
+        emergency=args.pressure_emergency,
+        max_wait=args.pressure_max_wait,
+        **extra,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """The :class:`~kvtier.engine.config.EngineConfig` the flags describe."""
+    from kvtier.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    sampling: dict[str, float] = {}
+    if args.default_temperature is not None:
+        sampling["temperature"] = args.default_temperature
+    if args.default_top_p is not None:
+        sampling["top_p"] = args.default_top_p
+    return EngineConfig(
+        model=os.path.expanduser(args.model) if args.model else None,
+        dtype=args.dtype,
+        device=args.device,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            policy=args.policy,
+            prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+        tiers=tuple(_tier_specs(args)),
+        write_mode=args.write_mode,
+        pressure=_pressure_spec(args),
+        sampling_defaults=sampling or None,
+    )
+
+
+def server_limits(args: argparse.Namespace) -> Any:
+    from kvtier.server.limits import ServerLimits
+
+    return ServerLimits(
+        max_body_bytes=args.max_request_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        max_messages=args.max_messages,
+        max_queued=args.max_queued_requests,
+        body_timeout_s=args.request_timeout,
+    )
+
+
+def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Settings of a TOML config file as argparse defaults, converted like the flags."""
+    try:
+        with open(os.path.expanduser(path), "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the config file {path} is not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            if isinstance(v, dict):
+                raise ConfigError(f"{path}: tables nest one level only ({key}.{k})")
+            flat[k] = v
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        dest = key.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            raise ConfigError(
+                f"{path}: unknown setting {key!r}; settings are the flags of `kvtier serve "
+                "--help` without their dashes"
+            )
+        out[dest] = _convert(path, key, action, value)
+    return out
+
+
+def _convert(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        values = value if isinstance(value, list) else [value]
+        return [_convert_one(path, key, action, v) for v in values]
+    return _convert_one(path, key, action, value)
+
+
+def _convert_one(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        raise ConfigError(f"{path}: {key} takes one value, got {value!r}")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if action.type is not None and callable(action.type):
+        try:
+            result = action.type(text)
+        except (argparse.ArgumentTypeError, ValueError, ConfigError) as exc:
+            raise ConfigError(f"{path}: {key}: {exc}") from None
+    else:
+        result = text
+    if action.choices is not None and result not in action.choices:
+        raise ConfigError(
+            f"{path}: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
+        )
+    return result
+
+
+# -- startup --------------------------------------------------------------------------------
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on ``host:port`` (port 0: any free port)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ConfigError(f"--host {host!r} cannot be resolved: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+            "(is another server using the port? pick another with --port)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _client_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}"
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"--device {name!r} is not a torch device: use cpu, cuda, cuda:1, mps, ..."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available on this machine")
+
+
+def preflight(config: Any) -> tuple[Any, list[str]]:
+    """Check a configuration before any weights load; the tokenizer and warnings, or ConfigError.
+
+    Reads the model's metadata (milliseconds, even for a GGUF file), sizes the
+    KV cache and the context, loads the tokenizer to fit the chat template in
+    the cache, and checks every tier's size and medium.
+    """
+    from kvtier.engine.engine import check_config
+    from kvtier.engine.model import load_tokenizer, probe_model
+
+    info = probe_model(config.model, model_id=config.model_id)
+    layout = info.layout(config.cache.block_size, config.dtype)
+    plan = config.plan(layout, info.max_positions)
+    print(
+        f"kvtier: {info.model_id}: {plan.num_blocks} KV blocks of {layout.block_size} tokens "
+        f"({plan.num_blocks * layout.bytes_per_block / 2**20:.0f} MiB), context "
+        f"{plan.max_model_len} tokens",
+        flush=True,
+    )
+    warnings: list[str] = []
+    for spec in config.tiers:
+        problem = spec.probe()
+        if problem is not None:
+            warnings.append(problem)
+    tokenizer = load_tokenizer(config.model)
+    if getattr(tokenizer, "chat_template", None) is None:
+        warnings.append(f"{info.model_id} has no chat template: only /v1/completions will work")
+    check_config(config, tokenizer)
+    return tokenizer, warnings
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvtier.engine import DEFAULT_MODEL_ID, Engine, EngineWorker
+        from kvtier.server import create_app
+    except ImportError as exc:
+        raise ConfigError(
+            f"kvtier serve needs the torch and serve extras ({exc.name} is missing): "
+            "pip install 'kvtier[torch,serve]'"
+        ) from None
+    config = engine_config(args)
+    limits = server_limits(args)
+    _check_device(args.device)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
+    )
+    sock = _bind(args.host, args.port)
+    try:
+        tokenizer, warnings = preflight(config)
+        for warning in warnings:
+            log.warning("%s", warning)
+        what = args.model or f"{DEFAULT_MODEL_ID} (the bundled default)"
+        print(f"kvtier: loading {what} ({args.dtype}, {args.device}) ...", flush=True)
+        started = time.perf_counter()
+        engine = Engine.from_config(config, tokenizer=tokenizer)
+        print(f"kvtier: loaded in {time.perf_counter() - started:.1f}s", flush=True)
+        for line in engine.describe():
+            print(f"kvtier: {line}", flush=True)
+        name = args.served_model_name or engine.model_id
+        server: Any = None
+        failed: list[BaseException] = []
+
+        def on_fatal(exc: BaseException) -> None:
+            failed.append(exc)
+            if server is not None:
+                server.should_exit = True
+
+        worker = EngineWorker(engine, on_fatal=on_fatal).start()
+        try:
+            app = create_app(worker, served_model_name=name, limits=limits)
+            uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+            server = uvicorn.Server(uv_config)
+            if failed or worker.fatal is not None:  # it died before the server existed
+                server.should_exit = True
+            # Listen now, so a client told the address below is queued, never refused.
+            sock.listen(uv_config.backlog)
+            url = _client_url(args.host, sock.getsockname()[1])
+            print(
+                f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
+                f"try: curl {url}/v1/models)",
+                flush=True,
+            )
+            # uvicorn re-raises Ctrl-C once its graceful shutdown is done.
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run(sockets=[sock])
+        finally:
+            worker.stop()
+            engine.close()
+        if failed or worker.fatal is not None:
+            why = failed[0] if failed else worker.fatal
+            print(
+                f"kvtier: error: the engine thread died ({type(why).__name__}: {why}); "
+                f"exiting with status {EXIT_ENGINE_FAILED} so a supervisor can restart the "
+                "server",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_ENGINE_FAILED
+        print("kvtier: server stopped", flush=True)
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        sock.close()
+    return 0
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible HTTP API, KV cache managed by kvtier",
+        description="Serve a causal language model behind an OpenAI-compatible API "
+        "(chat completions, completions, streaming), generating through kvtier's KV-cache "
+        "manager with prefix caching. Default model: SmolLM2-135M-Instruct, bundled offline.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of settings (the flags' names); flags given here override it",
+    )
+    serve.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a local Hugging Face model directory or .gguf file "
+        "(default: the bundled SmolLM2-135M-Instruct GGUF)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send and /v1/models lists "
+        "(default: the model's name, e.g. SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=arg(port, "port"),
+        default=8000,
+        help="port to listen on; 0 picks a free one (default 8000)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="model and KV cache dtype (default float32)",
+    )
+    serve.add_argument(
+        "--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps (default cpu)"
+    )
+    serve.add_argument(
+        "--block-size",
+        type=arg(positive_int, "block size"),
+        default=16,
+        metavar="TOKENS",
+        help="tokens per KV block (default 16)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=arg(parse_memory_size, "memory size"),
+        default=512 * 2**20,
+        metavar="SIZE",
+        help="memory for KV blocks: 512MiB, 1GiB, 1.5G, 800MB, or bytes (default 512MiB)",
+    )
+    serve.add_argument(
+        "--num-blocks",
+        type=arg(positive_int, "block count"),
+        metavar="N",
+        help="exact number of KV blocks (overrides --kv-cache-memory)",
+    )
+    serve.add_argument(
+        "--policy",
+        type=arg(policy_name, "policy"),
+        default="lru",
+        metavar="P",
+        help=f"eviction policy for cached blocks ({', '.join(available_policies())}, "
+        "or an import path pkg.mod:Class; default lru)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=arg(positive_int, "request count"),
+        default=4,
+        metavar="N",
+        help="requests generating at once; more wait in a queue (default 4)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=arg(positive_int, "token count"),
+        metavar="TOKENS",
+        help="longest prompt + completion, in tokens (default: the model's context, "
+        "capped by the KV cache)",
+    )
+    serve.add_argument(
+        "--default-temperature",
+        type=arg(float_in("temperature", 0.0, 2.0), "temperature"),
+        metavar="T",
+        help="temperature for requests that send none (default: the model's recommendation, "
+        "0.2 for the bundled SmolLM2; else OpenAI's 1.0)",
+    )
+    serve.add_argument(
+        "--default-top-p",
+        type=arg(float_in("top_p", 0.0, 1.0, open_low=True), "top_p"),
+        metavar="P",
+        help="top_p for requests that send none (default: the model's recommendation, "
+        "0.9 for the bundled SmolLM2; else 1.0)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="keep every request's KV blocks private (no reuse across requests)",
+    )
+    _add_limits(serve)
+    _add_tiers(serve)
+    _add_pressure(serve)
+    serve.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="server log level (default info)",
+    )
+    serve.set_defaults(func=run)
+    return serve
+
+
+def _add_limits(serve: argparse.ArgumentParser) -> None:
+    limits = serve.add_argument_group(
+        "request limits",
+        "What one client may ask: a request over a limit is refused before it costs anything "
+        "(413 body too large, 408 body too slow, 400 prompt or chat too long, 429 with "
+        "Retry-After when too many requests wait).",
+    )
+    limits.add_argument(
+        "--max-request-bytes",
+        type=arg(parse_memory_size, "memory size"),
+        default=8 * 2**20,
+        metavar="SIZE",
+        help="largest request body (default 8MiB)",
+    )
+    limits.add_argument(
+        "--max-prompt-chars",
+        type=arg(positive_int, "character count"),
+        metavar="N",
+        help="longest prompt in characters, checked before tokenizing (default: the context "
+        "length times the longest token, so no longer prompt could fit)",
+    )
+    limits.add_argument(
+        "--max-messages",
+        type=arg(positive_int, "message count"),
+        default=1024,
+        metavar="N",
+        help="most messages in one chat request (default 1024)",
+    )
+    limits.add_argument(
+        "--max-queued-requests",
+        type=arg(non_negative_int, "request count"),
+        default=256,
+        metavar="N",
+        help="requests that may wait beyond the running ones; more get 429 (default 256)",
+    )
+    limits.add_argument(
+        "--request-timeout",
+        type=arg(float_in("number of seconds", 0.0, 3600.0, open_low=True), "seconds"),
+        default=30.0,
+        metavar="SECONDS",
+        help="longest a client may take to send its request body; then 408 (default 30)",
+    )
+
+
+def _add_tiers(serve: argparse.ArgumentParser) -> None:
+    tiers = serve.add_argument_group(
+        "offload tiers",
+        "Blocks below the device: host memory, disk, Redis (see 'tiers' below). --tier takes "
+        "URLs; the --host-tier, --disk-tier and --redis-url flags are older spellings of it.",
+    )
+    tiers.add_argument(
+        "--tier",
+        action="append",
+        metavar="URL",
+        help="a tier as a URL, fastest first: host:4GiB, disk:DIR?size=100GiB&codec=int8, "
+        "redis://HOST:6379/0, redis+cluster://HOST:7000,... (repeatable)",
+    )
+    codecs = ("raw", "int8", "fp8")
+    tiers.add_argument(
+        "--host-tier",
+        type=arg(parse_memory_size, "memory size"),
+        metavar="SIZE",
+        help="host-memory tier size, e.g. 4GiB (= --tier host:SIZE)",
+    )
+    tiers.add_argument("--host-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--disk-tier",
+        metavar="DIR",
+        help="directory of a disk tier; blocks survive restarts (= --tier disk:DIR)",
+    )
+    tiers.add_argument(
+        "--disk-tier-size",
+        type=arg(parse_memory_size, "memory size"),
+        default=16 * 2**30,
+        metavar="SIZE",
+        help="disk tier size (default 16GiB)",
+    )
+    tiers.add_argument("--disk-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="a Redis tier shared by many engines, e.g. redis://127.0.0.1:6379/0",
+    )
+    tiers.add_argument(
+        "--redis-cluster", action="store_true", help="the Redis URL names a Redis Cluster node"
+    )
+    tiers.add_argument(
+        "--redis-tier-size",
+        type=arg(parse_memory_size, "memory size"),
+        default=16 * 2**30,
+        metavar="SIZE",
+        help="blocks this engine tracks in Redis, as bytes (default 16GiB); the server's "
+        "maxmemory policy bounds what Redis really keeps",
+    )
+    tiers.add_argument("--redis-codec", choices=codecs, default="raw", help="default raw")
+    tiers.add_argument(
+        "--write-mode",
+        choices=("write_back", "write_through"),
+        default=None,
+        help="every tier alike: write_back (store a block below when it is evicted) or "
+        "write_through (store every computed block at once). Default: Redis writes through, "
+        "host and disk write back",
+    )
+
+
+def _add_pressure(serve: argparse.ArgumentParser) -> None:
+    pressure = serve.add_argument_group(
+        "memory pressure",
+        "A monitor is sampled in the background; as memory fills the mode climbs RELAXED, "
+        "NORMAL, PRESSURE, CRITICAL, EMERGENCY. PRESSURE and above keep a share of the pool "
+        "empty by evicting in the policy's order (demoting to the tiers, if any); EMERGENCY "
+        "holds new requests back (HTTP 503 after --pressure-max-wait) or refuses them.",
+    )
+    pressure.add_argument(
+        "--pressure",
+        choices=("off", *MONITOR_NAMES),
+        default="auto",
+        help="memory source: auto (NVML, AMD SMI, torch.cuda, else the KV pool's occupancy; "
+        "the choice is logged), one of them by name, host (cgroup-aware), or off "
+        "(plain evict-on-full). Default auto",
+    )
+    pressure.add_argument(
+        "--pressure-thresholds",
+        type=arg(thresholds, "thresholds"),
+        default=None,
+        metavar="N,P,C,E",
+        help="enter fractions of NORMAL, PRESSURE, CRITICAL and EMERGENCY, rising "
+        "(default 0.5,0.8,0.9,0.97)",
+    )
+    pressure.add_argument(
+        "--pressure-hysteresis",
+        metavar="FRACTION",
+        type=arg(float_in("fraction", 0.0, 0.5), "hysteresis"),
+        default=0.05,
+        help="a mode is left only below its enter fraction minus this (default 0.05)",
+    )
+    pressure.add_argument(
+        "--pressure-interval",
+        metavar="SECONDS",
+        type=arg(float_in("number of seconds", 0.0, 60.0, open_low=True), "interval"),
+        default=0.05,
+        help="seconds between readings (default 0.05)",
+    )
+    pressure.add_argument(
+        "--pressure-emergency",
+        choices=("delay", "reject"),
+        default="delay",
+        help="EMERGENCY: delay new requests up to --pressure-max-wait, or reject them at once "
+        "(default delay)",
+    )
+    pressure.add_argument(
+        "--pressure-max-wait",
+        metavar="SECONDS",
+        type=arg(float_in("number of seconds", 0.0, 3600.0), "seconds"),
+        default=30.0,
+        help="longest a new request waits under EMERGENCY before HTTP 503 (default 30)",
+    )
+
+
+def apply_config_file(
+    parser: argparse.ArgumentParser,
+    serve: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    args: argparse.Namespace,
+) -> argparse.Namespace:
+    """Parse again with ``--config``'s settings as defaults, so flags override the file."""
+    if getattr(args, "config", None) is None:
+        return args
+    serve.set_defaults(**load_config_file(args.config, serve))
+    return parser.parse_args(argv)

@@ -1,0 +1,169 @@
+"""An engine's configuration as data: the model, the cache, the tiers, pressure, the scheduler.
+
+:class:`EngineConfig` is what ``kvtier serve`` builds from its flags (and
+``--config FILE``), what :meth:`Engine.from_config <kvtier.engine.Engine.from_config>`
+takes, and what :meth:`EngineConfig.plan` checks against a model's
+:class:`~kvtier.engine.model.ModelInfo` before any weights load: how many
+blocks the KV cache holds, the context length, and whether the tiers fit a
+block. The engine sizes itself with the same :func:`plan_cache`, so the
+checks a server runs at startup are the ones the engine would apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.offload.config import TierSpec
+from kvtier.pressure.config import PressureSpec
+
+#: Tokens the smallest useful request needs beyond its prompt (one generated token).
+_MIN_COMPLETION = 1
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The device KV cache: block size, how many blocks, the eviction policy."""
+
+    block_size: int = 16
+    #: Memory for KV blocks; ``num_blocks`` overrides it when set.
+    kv_cache_bytes: int = 512 * 2**20
+    num_blocks: int | None = None
+    policy: str = "lru"
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_bytes", self.kv_cache_bytes)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many requests run at once and how long one may be."""
+
+    max_num_seqs: int = 4
+    #: Longest prompt + completion; ``None``: the model's context, capped by the cache.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The sizes an engine gets for a model: blocks and context length."""
+
+    layout: KVLayout
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.layout.block_size
+
+
+def plan_cache(
+    layout: KVLayout,
+    model_positions: int,
+    *,
+    num_blocks: int | None,
+    kv_cache_bytes: int,
+    max_model_len: int | None,
+) -> CachePlan:
+    """Blocks and context length for ``layout``; raises ConfigError when they cannot work."""
+    if num_blocks is None:
+        num_blocks = kv_cache_bytes // layout.bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"--kv-cache-memory of {kv_cache_bytes:,} bytes holds no KV block: one block of "
+                f"{layout.block_size} tokens takes {layout.bytes_per_block:,} bytes "
+                f"({layout.canonical()}); give the cache at least that much"
+            )
+    pool_len = num_blocks * layout.block_size
+    if max_model_len is None:
+        max_model_len = min(model_positions, pool_len)
+    elif max_model_len > model_positions:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's {model_positions} positions"
+        )
+    elif max_model_len > pool_len:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the KV pool ({num_blocks} blocks of "
+            f"{layout.block_size} = {pool_len} tokens): raise kv_cache_bytes or num_blocks "
+            "(--kv-cache-memory, --num-blocks) or lower --max-model-len"
+        )
+    return CachePlan(layout, num_blocks, max_model_len)
+
+
+def check_min_request(plan: CachePlan, min_prompt_tokens: int) -> None:
+    """Raise unless one request of ``min_prompt_tokens`` (e.g. the bare chat template) fits."""
+    need = min_prompt_tokens + _MIN_COMPLETION
+    if plan.max_model_len < need:
+        raise ConfigError(
+            f"the engine can hold requests of at most {plan.max_model_len} tokens "
+            f"({plan.num_blocks} KV blocks of {plan.layout.block_size}), but the shortest chat "
+            f"request takes {need} (the chat template alone is {min_prompt_tokens} tokens): "
+            "raise --kv-cache-memory or --num-blocks (or --max-model-len)"
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`~kvtier.engine.Engine` is built from, as plain data."""
+
+    #: A local model directory or .gguf file; ``None``: the bundled SmolLM2-135M-Instruct.
+    model: str | None = None
+    #: The name the model is served under (default: from the model).
+    model_id: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tiers: tuple[TierSpec, ...] = ()
+    #: ``None``: each tier's own default (shared media write through, local ones write back).
+    write_mode: str | None = None
+    pressure: PressureSpec | None = None
+    #: ``temperature`` / ``top_p`` for requests that leave them out (``None``: the model's).
+    sampling_defaults: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        from kvtier.engine.model import resolve_dtype
+        from kvtier.offload.chain import WRITE_MODES
+
+        resolve_dtype(self.dtype)
+        if self.write_mode is not None and self.write_mode not in WRITE_MODES:
+            raise ConfigError(
+                f"write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
+            )
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+
+    def plan(self, layout: KVLayout, model_positions: int) -> CachePlan:
+        """The cache sizes this configuration gives a model of ``layout``; ConfigError if none."""
+        plan = plan_cache(
+            layout,
+            model_positions,
+            num_blocks=self.cache.num_blocks,
+            kv_cache_bytes=self.cache.kv_cache_bytes,
+            max_model_len=self.scheduler.max_model_len,
+        )
+        from kvtier.storage.device import torch_dtype
+
+        for spec in self.tiers:
+            spec.capacity_blocks(layout_block_shape(layout), torch_dtype(layout.dtype))
+        return plan
+
+
+def layout_block_shape(layout: KVLayout) -> tuple[int, int, int, int, int]:
+    """The shape of one exported block (what tiers store) for ``layout``."""
+    return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,123 @@
+"""The scalar metadata of a GGUF file, read in milliseconds.
+
+Loading a GGUF model through transformers (or ``gguf.GGUFReader``) parses
+every tensor and tokenizer entry, seconds of work before a server can tell
+that its KV cache is too small for the model. The header alone says the
+geometry: this reader walks the key/value section, keeps the scalars and
+strings, and skips arrays (the vocabulary) without decoding them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+_MAGIC = b"GGUF"
+# GGUF value type -> struct format of a scalar of that type.
+_SCALARS: dict[int, str] = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING = 8
+_ARRAY = 9
+
+Meta = dict[str, "int | float | bool | str"]
+
+
+class _Cursor:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> tuple[object, ...]:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ConfigError("truncated GGUF header")
+        out = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return out
+
+    def u32(self) -> int:
+        (v,) = self.unpack("<I")
+        assert isinstance(v, int)
+        return v
+
+    def u64(self) -> int:
+        (v,) = self.unpack("<Q")
+        assert isinstance(v, int)
+        return v
+
+    def string(self) -> str:
+        n = self.u64()
+        if self.pos + n > len(self.buf):
+            raise ConfigError("truncated GGUF string")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.u64()  # read first: it moves pos
+        self.pos += n
+
+    def value(self, kind: int) -> int | float | bool | str | None:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            elem = self.u32()
+            count = self.u64()
+            if elem == _STRING:
+                for _ in range(count):
+                    self.skip_string()
+            elif elem in _SCALARS:
+                self.pos += count * struct.calcsize(_SCALARS[elem])
+            else:
+                for _ in range(count):
+                    self.value(elem)
+            return None
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise ConfigError(f"unknown GGUF value type {kind}")
+        (v,) = self.unpack(fmt)
+        assert isinstance(v, (int, float, bool))
+        return v
+
+
+def read_gguf_metadata(path: str | Path) -> Meta:
+    """Scalar and string metadata of a GGUF file (arrays are skipped)."""
+    p = Path(path)
+    try:
+        with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != _MAGIC:
+                raise ConfigError(f"{p} is not a GGUF file (bad magic)")
+            cur = _Cursor(buf)
+            cur.pos = 4
+            version = cur.u32()
+            if version < 2:
+                raise ConfigError(f"{p}: GGUF version {version} is too old (need 2 or later)")
+            cur.u64()  # tensor count
+            kv_count = cur.u64()
+            meta: Meta = {}
+            for _ in range(kv_count):
+                key = cur.string()
+                value = cur.value(cur.u32())
+                if value is not None:
+                    meta[key] = value
+            return meta
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"cannot read GGUF metadata from {p}: {exc}") from exc
