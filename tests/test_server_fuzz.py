@@ -155,7 +155,7 @@ def test_the_engine_survived_the_fuzzing(server: Server) -> None:
     assert server.worker.step_errors == 0
     counters = server.worker.engine.counters
     # The fuzzing reached the engine, not only the validation in front of it.
-    assert counters.requests_added >= 100, counters.requests_added
+    assert counters.requests_added >= 50, counters.requests_added
     assert counters.finished.get("error", 0) == 0, counters.finished
 
 

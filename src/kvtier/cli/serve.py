@@ -160,7 +160,11 @@ def engine_config(args: argparse.Namespace) -> Any:
             policy=args.policy,
             prefix_caching=not args.no_prefix_caching,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
         tiers=tuple(_tier_specs(args)),
         write_mode=args.write_mode,
         pressure=_pressure_spec(args),
@@ -478,6 +482,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         default=4,
         metavar="N",
         help="requests generating at once; more wait in a queue (default 4)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=arg(positive_int, "token count"),
+        metavar="N",
+        help="tokens one forward pass computes at most: every running request's next token, "
+        "then chunks of prompts (default 512; at least --max-num-seqs)",
     )
     serve.add_argument(
         "--max-model-len",

@@ -43,14 +43,24 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How many requests run at once and how long one may be."""
+    """How many requests run at once, how many tokens one step computes, how long one may be."""
 
     max_num_seqs: int = 4
+    #: Tokens one forward pass computes at most (decodes first, then prompt chunks);
+    #: ``None``: 512, or ``max_num_seqs`` if that is more.
+    max_num_batched_tokens: int | None = None
     #: Longest prompt + completion; ``None``: the model's context, capped by the cache.
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ConfigError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                    f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
+                )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
 

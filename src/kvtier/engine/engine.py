@@ -1,19 +1,28 @@
-"""The reference engine: a Hugging Face causal LM generating through kvtier blocks.
+"""The reference engine: a Hugging Face causal LM generating a batch of requests through kvtier.
 
 :class:`Engine` owns a model, its tokenizer, a :class:`~kvtier.KVCacheManager`
 and the :class:`~kvtier.storage.KVBlockStorage` behind it. Requests are added
-with :meth:`Engine.add_request` and advanced by :meth:`Engine.step`, which
-admits waiting requests (reusing their longest cached prefix and computing
-only the rest of the prompt) and then decodes one token for every running
-request, round-robin, one sequence per forward pass. A finished request's
-blocks stay cached for the next request that shares its prefix.
+with :meth:`Engine.add_request` and advanced by :meth:`Engine.step`. Each
+step runs **one forward pass** over every scheduled sequence (continuous
+batching): the next token of every running request, plus chunks of prompts
+being admitted, up to ``max_num_batched_tokens`` tokens, each at its own
+position; attention reads every sequence's K/V through its block table
+(:mod:`kvtier.engine.paged`). Output is what each request would produce
+alone.
 
-A request that cannot get blocks waits; a running request that runs out of
-blocks mid-generation is preempted (its computed blocks stay cached) and
-resumes later by recomputing only what was evicted. Every request records
-its time to first token, decode speed and cached-token count. A request for
-``n`` choices computes its prompt once and forks it ``n - 1`` times
-(copy-on-write blocks); each choice then samples on its own.
+Scheduling follows vLLM's rules: requests are admitted first come, first
+served while fewer than ``max_num_seqs`` run and the token budget lasts;
+decodes go first and prompts are chunked into what is left; when a running
+request cannot get a block, the *newest* running request is preempted (its
+computed blocks stay cached, or are swapped to the first tier) and resumes
+later. A request's prefix comes from the device cache and the tiers below
+it: blocks on disk or Redis load in the background while the others run,
+and it joins the batch when they are in. Two requests sharing a prefix
+compute it once: blocks are published as their tokens are scheduled, and a
+request whose prefix another is still computing (or loading) waits a step
+for it rather than computing it again. A request for ``n`` choices computes
+its prompt once and forks it copy-on-write. A cancelled request frees its
+blocks in the step that sees the cancel.
 
 With ``pressure`` set, a controller samples memory in the background and
 the manager consults its mode: PRESSURE and above keep a share of the pool
@@ -26,13 +35,13 @@ runs it on a thread of its own for concurrent callers.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +54,16 @@ from kvtier.engine.config import (
     plan_cache,
 )
 from kvtier.engine.detok import IncrementalDetokenizer
-from kvtier.engine.hf_cache import KvTierCache, layout_for_model
+from kvtier.engine.hf_cache import layout_for_model
+from kvtier.engine.paged import BatchMeta, SeqSlice, install
+from kvtier.engine.request import (
+    EngineCounters,
+    RequestMetrics,
+    RequestOutput,
+)
+from kvtier.engine.request import (
+    Sequence as Seq,
+)
 from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.errors import (
     AdmissionRejectedError,
@@ -56,8 +74,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import Namespace
 from kvtier.manager import KVCacheManager
-from kvtier.obs.metrics import Histogram
-from kvtier.offload.chain import SwappedRequest, Tier, TierChain
+from kvtier.offload.chain import Tier, TierChain
 from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
 from kvtier.pressure.config import PressureSpec
@@ -66,129 +83,10 @@ from kvtier.storage import KVBlockStorage
 
 log = logging.getLogger(__name__)
 
-#: Buckets of the time-to-first-token histogram, in seconds.
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+__all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check_config"]
 
-
-@dataclass
-class RequestMetrics:
-    """Timings and token counts of one request (``time.perf_counter`` seconds)."""
-
-    arrival_time: float
-    prompt_tokens: int
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token, from arrival (queueing included)."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Generated tokens per second after the first one."""
-        if self.first_token_time is None or self.finish_time is None or self.completion_tokens < 2:
-            return None
-        span = self.finish_time - self.first_token_time
-        return (self.completion_tokens - 1) / span if span > 0 else None
-
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "completion_tokens": self.completion_tokens,
-            "ttft_s": self.ttft,
-            "queue_s": self.queue_time,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "preemptions": self.preemptions,
-        }
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a step produced for one choice of a request: new text and ids, and whether it ended.
-
-    ``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"``
-    (max_tokens or the context limit), ``"abort"`` (cancelled), ``"rejected"``
-    (memory pressure refused it before it started) or ``"error"`` (``error``
-    says why). ``index`` is the choice (0 .. n-1); ``logprobs`` has one entry
-    per token in ``token_ids`` when the request asked for them.
-    """
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    error: str | None = None
-    index: int = 0
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(eq=False)
-class _Request:
-    """One sequence: a request, or one of its ``n`` choices."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sampler: Sampler
-    detok: IncrementalDetokenizer
-    metrics: RequestMetrics
-    #: The choice this sequence generates (0 .. n-1); choice 0 carries the request's id.
-    index: int = 0
-    #: The id of the sequence in the manager (``request_id`` plus ``#index`` for forks).
-    seq_id: str = ""
-    #: True once the prompt was forked into the other choices (or n == 1).
-    forked: bool = False
-    generated: list[int] = field(default_factory=list)
-    cache: KvTierCache | None = None
-    #: The last sampled token, not yet run through the model.
-    pending: int | None = None
-    cancelled: bool = False
-    admissions: int = 0
-    #: Where a preempted request's blocks went (with tiers configured).
-    swapped: SwappedRequest | None = None
-    #: When memory pressure first held this request back (``time.monotonic``).
-    delayed_since: float | None = None
-
-
-@dataclass
-class EngineCounters:
-    """Engine-wide totals exported as metrics."""
-
-    requests_added: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    #: Prompt tokens whose blocks were loaded from a tier below the device.
-    loaded_prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    forward_errors: int = 0
-    #: Choices started by forking a computed prompt (``n > 1``), not recomputing it.
-    forked_sequences: int = 0
-    #: Seconds from arrival to the end, summed over finished sequences (and their count).
-    e2e_seconds: float = 0.0
-    e2e_count: int = 0
-    #: Requests refused by memory pressure (at once, or after waiting ``max_wait``).
-    rejected: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    last: RequestMetrics | None = None
+#: Tokens one step computes at most, by default: a few prompt chunks next to the decodes.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class Engine:
@@ -196,7 +94,8 @@ class Engine:
 
     ``num_blocks`` sizes the block pool; by default it is what
     ``kv_cache_bytes`` holds. ``max_num_seqs`` bounds the requests running
-    at once (each decodes one token per :meth:`step`). ``prefix_caching``
+    at once and ``max_num_batched_tokens`` the tokens one step computes
+    (decodes first; prompts are chunked into the rest). ``prefix_caching``
     off keeps every request's blocks private and drops them when it ends.
     ``sampling_defaults`` (``temperature``, ``top_p``) are what a server
     applies to requests that leave them out.
@@ -213,6 +112,7 @@ class Engine:
         kv_cache_bytes: int = 512 * 2**20,
         policy: str | EvictionPolicy = "lru",
         max_num_seqs: int = 4,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         prefix_caching: bool = True,
         sampling_defaults: dict[str, float] | None = None,
@@ -222,6 +122,16 @@ class Engine:
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        budget = (
+            max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+            if max_num_batched_tokens is None
+            else max_num_batched_tokens
+        )
+        if not isinstance(budget, int) or budget < max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens must be an integer of at least max_num_seqs "
+                f"({max_num_seqs}), so every running request decodes each step; got {budget!r}"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -240,6 +150,7 @@ class Engine:
         max_model_len = plan.max_model_len
         if getattr(tokenizer, "chat_template", None) is not None:
             check_min_request(plan, len(self.encode_chat([{"role": "user", "content": ""}])))
+        install(model)
         self.storage = KVBlockStorage(self.layout, num_blocks, self.device)
         self.manager = KVCacheManager(
             num_blocks,
@@ -265,17 +176,25 @@ class Engine:
             pressure.start()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = budget
         self.prefix_caching = prefix_caching
         #: ``temperature`` / ``top_p`` the server uses when a request leaves them out.
         self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0) or None
         self.counters = EngineCounters()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._waiting: deque[Seq] = deque()
+        #: Admitted sequences (computing, or loading their prefix), oldest first.
+        self._running: list[Seq] = []
         #: request id -> its sequences (one per choice once forked).
-        self._by_id: dict[str, list[_Request]] = {}
+        self._by_id: dict[str, list[Seq]] = {}
+        #: Published keys whose blocks do not hold valid K/V yet (count of owners).
+        self._unready: collections.Counter[int] = collections.Counter()
         self._ids = itertools.count()
+        self._order = itertools.count()
+        #: Forward passes run, and tokens they computed (for the batch-size metrics).
+        self.steps = 0
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         policy_name = policy if isinstance(policy, str) else getattr(policy, "name", "custom")
         #: The configuration this engine runs with, as data.
         self.config = EngineConfig(
@@ -289,7 +208,11 @@ class Engine:
                 policy=policy_name,
                 prefix_caching=prefix_caching,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+            ),
             tiers=tuple(t for t in tiers if isinstance(t, TierSpec)),
             write_mode=write_mode,
             pressure=pressure if isinstance(pressure, PressureSpec) else None,
@@ -314,6 +237,7 @@ class Engine:
             "policy": config.cache.policy,
             "prefix_caching": config.cache.prefix_caching,
             "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "max_model_len": config.scheduler.max_model_len,
             "tiers": config.tiers,
             "write_mode": config.write_mode,
@@ -348,8 +272,8 @@ class Engine:
             f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
             f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB), policy "
             f"{stats.policy}, prefix caching {'on' if self.prefix_caching else 'off'}",
-            f"scheduler: up to {self.max_num_seqs} requests at once, "
-            f"max_model_len {self.max_model_len} tokens",
+            f"scheduler: up to {self.max_num_seqs} requests at once in one batch of at most "
+            f"{self.max_num_batched_tokens} tokens a step, max_model_len {self.max_model_len}",
         ]
         d = self.sampling_defaults
         lines.append(
@@ -463,7 +387,7 @@ class Engine:
         if rid in self._by_id:
             raise BadRequestError(f"request id {rid!r} is already in the engine")
         now = time.perf_counter() if arrival_time is None else arrival_time
-        req = _Request(
+        seq = Seq(
             rid,
             ids,
             params,
@@ -473,16 +397,16 @@ class Engine:
             seq_id=rid,
             forked=params.n == 1,
         )
-        self._waiting.append(req)
-        self._by_id[rid] = [req]
+        self._waiting.append(seq)
+        self._by_id[rid] = [seq]
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(ids)
         return rid
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (every choice) at the next step; its computed blocks stay cached."""
-        for req in self._by_id.get(request_id, ()):
-            req.cancelled = True
+        for seq in self._by_id.get(request_id, ()):
+            seq.cancelled = True
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every queued and running request with ``error`` (after a step failed).
@@ -491,19 +415,19 @@ class Engine:
         nothing a failed pass half wrote can be served later.
         """
         outs: list[RequestOutput] = []
-        for req in [*self._waiting, *self._running]:
+        for seq in [*self._waiting, *self._running]:
             try:
-                self._finish(req, "error", "", outs, error=error)
+                self._finish(seq, "error", "", outs, error=error)
             except Exception:
-                log.exception("could not end request %s cleanly", req.request_id)
-                req.cache = None
+                log.exception("could not end request %s cleanly", seq.request_id)
+                seq.table = None
                 for q in (self._waiting, self._running):
-                    if req in q:
-                        q.remove(req)
-                self._by_id.pop(req.request_id, None)
+                    if seq in q:
+                        q.remove(seq)
+                self._by_id.pop(seq.request_id, None)
                 outs.append(
                     RequestOutput(
-                        req.request_id, "", [], True, "error", req.metrics, error, index=req.index
+                        seq.request_id, "", [], True, "error", seq.metrics, error, index=seq.index
                     )
                 )
         return outs
@@ -527,17 +451,19 @@ class Engine:
         return len(self._running)
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then decode one token for each running request."""
+        """Admit what fits, then run one forward pass over every scheduled sequence."""
         outs: list[RequestOutput] = []
         if self.tiers is not None:
             self.tiers.poll()
-        for req in [r for r in (*self._waiting, *self._running) if r.cancelled]:
-            self._finish(req, "abort", "", outs)
-        fresh = self._admit(outs)
-        for req in list(self._running):
-            if req in fresh:
-                continue
-            self._decode(req, outs)
+        for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
+            self._finish(seq, "abort", "", outs)
+        self._finish_loads(outs, wait=False)
+        batch = self._schedule(outs)
+        if batch:
+            self._execute(batch, outs)
+        elif any(s.load is not None for s in self._running):
+            # Nothing can compute until a load is in: wait for one instead of spinning.
+            self._finish_loads(outs, wait=True)
         return outs
 
     def generate(
@@ -554,68 +480,202 @@ class Engine:
                     if not left:
                         return
 
-    # -- scheduling internals --------------------------------------------------------------
-    def _admit(self, outs: list[RequestOutput]) -> set[_Request]:
-        fresh: set[_Request] = set()
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            req = self._waiting[0]
-            if not req.forked and len(self._running) + req.params.n > self.max_num_seqs:
-                break  # its choices start together, once there is room for all of them
-            tokens = req.prompt_ids + req.generated
-            extra = () if self.prefix_caching else (f"private:{req.seq_id}:{req.admissions}",)
-            try:
-                if req.swapped is not None and self.tiers is not None:
-                    cache = KvTierCache.swap_in(
-                        req.swapped,
-                        self.storage,
-                        self.manager,
-                        self.tiers,
-                        token_ids=tokens,
-                        extra_keys=extra,
-                    )
-                else:
-                    cache = KvTierCache(
-                        self.storage,
-                        self.manager,
-                        req.seq_id,
-                        tokens,
-                        extra_keys=extra,
-                        tiers=self.tiers,
-                    )
-            except OutOfBlocksError as exc:
-                if self._running:
-                    break  # wait for running requests to finish and free blocks
-                self._waiting.popleft()
-                self._finish(req, "error", "", outs, error=f"out of KV cache blocks: {exc}")
+    # -- scheduling ---------------------------------------------------------------------
+    def _schedule(self, outs: list[RequestOutput]) -> list[tuple[Seq, int]]:
+        """The sequences this step computes and how many tokens each (see the module docstring)."""
+        batch: list[tuple[Seq, int]] = []
+        decodes = sum(
+            1 for s in self._running if s.load is None and s.num_tokens - s.computed == 1
+        )
+        budget = self.max_num_batched_tokens - decodes  # for prompt chunks; decodes always run
+        for seq in list(self._running):
+            if seq not in self._running or seq.load is not None:
+                continue  # preempted by an older sequence, or still loading
+            n = seq.num_tokens - seq.computed
+            if n > 1:
+                n = min(n, budget)
+                if n <= 0:
+                    continue
+            if not self._grow(seq, seq.computed + n, batch, outs):
                 continue
-            except AdmissionRejectedError as exc:
-                if self._hold_back(req, exc):
-                    break
-                self._waiting.popleft()
-                self.counters.rejected += 1
-                self._finish(req, "rejected", "", outs, error=str(exc))
-                continue
-            req.delayed_since = None
-            self._waiting.popleft()
-            now = time.perf_counter()
-            m = req.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-                m.cached_tokens = cache.num_cached_tokens
-                self.counters.cached_prompt_tokens += cache.num_cached_tokens
-            req.admissions += 1
-            req.cache = cache
-            req.pending = None
-            req.swapped = None
-            self.counters.loaded_prompt_tokens += cache.num_loaded_tokens
-            self._running.append(req)
-            fresh.add(req)
-            self.counters.computed_prompt_tokens += len(tokens) - cache.num_cached_tokens
-            self._forward(req, tokens[cache.num_cached_tokens :], outs)
-            fresh.update(self._by_id.get(req.request_id, ()))  # forked choices have a token too
-        return fresh
+            batch.append((seq, n))
+            if n > 1 or seq.num_tokens - seq.computed > 1:
+                budget -= n
+        while self._waiting and budget > 0:
+            seq = self._waiting[0]
+            group = 1 if seq.forked else seq.params.n
+            if len(self._running) + group > self.max_num_seqs:
+                break  # a request's choices start together, once there is room for all
+            got = self._admit(seq, budget, outs)
+            if got is None:
+                break  # it waits (for blocks, a prefix being computed, memory pressure)
+            if got > 0:
+                batch.append((seq, got))
+                budget -= got
+        return batch
 
-    def _hold_back(self, req: _Request, exc: AdmissionRejectedError) -> bool:
+    def _grow(
+        self, seq: Seq, upto: int, batch: list[tuple[Seq, int]], outs: list[RequestOutput]
+    ) -> bool:
+        """Give the manager ``seq``'s tokens up to ``upto``; preempt newer sequences for blocks.
+
+        Returns False when ``seq`` itself had to go (it was the newest, or alone).
+        """
+        assert seq.table is not None
+        while seq.known < upto:
+            try:
+                ext = self.manager.extend(seq.seq_id, seq.tokens[seq.known : upto])
+            except OutOfBlocksError:
+                victim = self._running[-1]
+                if victim is seq:
+                    if len(self._running) == 1:
+                        self._finish(
+                            seq,
+                            "error",
+                            "",
+                            outs,
+                            error="out of KV cache blocks with no other request to wait for",
+                        )
+                    else:
+                        self._preempt(seq, batch)
+                    return False
+                self._preempt(victim, batch)
+                continue
+            if ext.copies:
+                self.storage.copy_blocks(ext.copies)
+            seq.table = ext.block_table
+            seq.known = upto
+            self._mark_unready(seq)
+        return True
+
+    def _admit(self, seq: Seq, budget: int, outs: list[RequestOutput]) -> int | None:
+        """Allocate ``seq``'s prefix and first chunk; tokens it computes this step.
+
+        ``None``: it stays first in the queue (no blocks, a prefix still being
+        computed, pressure says wait); 0: it was admitted but loads its
+        prefix first, or it ended.
+        """
+        tokens = seq.tokens
+        n = len(tokens)
+        bs = self.manager.block_size
+        extra: tuple[str, ...] = () if self.prefix_caching else (
+            f"private:{seq.seq_id}:{seq.admissions}",
+        )
+        keys = self.manager.hasher.chain(tokens, extra=extra)
+        limit = (n - 1) // bs  # the last token is always computed: its logits are needed
+        device_hit = len(self.manager.pool.lookup(keys[:limit])) if self.prefix_caching else 0
+        if any(k in self._unready for k in keys[:device_hit]):
+            return None  # another request is computing (or loading) this prefix: wait for it
+        tier_hit = 0
+        if self.tiers is not None and self.prefix_caching and device_hit < limit:
+            tier_hit = len(self.tiers.lookup(keys[device_hit:limit]))
+        hit = (device_hit + tier_hit) * bs
+        upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
+        swapped = seq.swapped
+        if swapped is not None and swapped.tail_key is not None:
+            upto = max(upto, min(n, swapped.num_computed_tokens + 1))
+        try:
+            alloc = self.manager.allocate(
+                seq.seq_id, tokens[:upto], extra_keys=extra, block_keys=keys[: upto // bs]
+            )
+        except OutOfBlocksError as exc:
+            if self._running:
+                return None  # wait for running requests to finish and free blocks
+            self._waiting.popleft()
+            self._finish(seq, "error", "", outs, error=f"out of KV cache blocks: {exc}")
+            return 0
+        except AdmissionRejectedError as exc:
+            if self._hold_back(seq, exc):
+                return None
+            self._waiting.popleft()
+            self.counters.rejected += 1
+            self._finish(seq, "rejected", "", outs, error=str(exc))
+            return 0
+        self._waiting.popleft()
+        seq.delayed_since = None
+        seq.table = alloc.block_table
+        seq.known = upto
+        seq.computed = alloc.num_cached_tokens
+        seq.admit_len = n
+        seq.admissions += 1
+        seq.order = next(self._order)
+        self._running.append(seq)
+        m = seq.metrics
+        first = m.first_scheduled_time is None
+        if first:
+            m.first_scheduled_time = time.perf_counter()
+            m.cached_tokens = seq.computed
+            self.counters.cached_prompt_tokens += seq.computed
+        if tier_hit:
+            assert self.tiers is not None
+            blocks = seq.table.blocks[device_hit : device_hit + tier_hit]
+            seq.load = self.tiers.start_load(keys[device_hit : device_hit + tier_hit], blocks)
+        self._mark_unready(seq)
+        if seq.load is not None:
+            return 0
+        self._load_tail(seq)
+        left = seq.known - seq.computed
+        return left if left > 0 else 0
+
+    def _finish_loads(self, outs: list[RequestOutput], *, wait: bool) -> None:
+        """Install the prefix loads that are in (with ``wait``, the oldest at least)."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        for seq in list(self._running):
+            pending = seq.load
+            if pending is None or (not wait and not tiers.load_done(pending)):
+                continue
+            self._complete_load(seq)
+            wait = False
+
+    def _complete_load(self, seq: Seq) -> None:
+        tiers = self.tiers
+        assert tiers is not None and seq.load is not None and seq.table is not None
+        pending, seq.load = seq.load, None
+        loaded = tiers.finish_load(pending) * self.manager.block_size
+        seq.computed += loaded
+        self.counters.loaded_prompt_tokens += loaded
+        if seq.admissions == 1 and not seq.generated:
+            seq.metrics.cached_tokens += loaded
+            self.counters.cached_prompt_tokens += loaded
+        self._load_tail(seq)
+        self._mark_unready(seq)
+
+    def _load_tail(self, seq: Seq) -> None:
+        """Bring a swapped-out sequence's partial last block back from its tier."""
+        swapped, seq.swapped = seq.swapped, None
+        if swapped is None or swapped.tail_key is None or self.tiers is None:
+            return
+        bs = self.manager.block_size
+        n = swapped.num_computed_tokens
+        full = n // bs
+        assert seq.table is not None
+        if (
+            n % bs
+            and seq.computed == full * bs
+            and seq.known > n
+            and self.tiers.load_tail(swapped, seq.table.blocks[full])
+        ):
+            seq.computed = n
+            self.counters.loaded_prompt_tokens += n - full * bs
+
+    def _mark_unready(self, seq: Seq) -> None:
+        """Track the keys ``seq`` published whose blocks are not computed (or loaded) yet."""
+        unready = self._unready
+        for key in seq.unready:
+            unready[key] -= 1
+            if not unready[key]:
+                del unready[key]
+        bs = self.manager.block_size
+        if seq.table is None or seq.known // bs <= seq.computed // bs:
+            seq.unready = []
+            return
+        keys = self.manager.block_keys(seq.seq_id)
+        seq.unready = keys[seq.computed // bs : seq.known // bs]
+        unready.update(seq.unready)
+
+    def _hold_back(self, seq: Seq, exc: AdmissionRejectedError) -> bool:
         """Whether a request refused by memory pressure waits (True) or fails.
 
         It waits while the mode only delays and it has waited less than
@@ -625,160 +685,210 @@ class Engine:
         ctrl = self.pressure
         max_wait = ctrl.max_wait if ctrl is not None else 0.0
         now = time.monotonic()
-        if req.delayed_since is None:
-            req.delayed_since = now
-        waited = now - req.delayed_since
-        if req.admissions == 0 and (not exc.retry or waited >= max_wait):
+        if seq.delayed_since is None:
+            seq.delayed_since = now
+        waited = now - seq.delayed_since
+        if seq.admissions == 0 and (not exc.retry or waited >= max_wait):
             return False
         if not self._running and ctrl is not None:
             # Nothing here will free memory: wait (briefly) for the sampler's next reading.
             ctrl.wait_admissible(min(ctrl.interval, max(max_wait - waited, 0.0)))
         return True
 
-    def _decode(self, req: _Request, outs: list[RequestOutput]) -> None:
-        cache = req.cache
-        assert cache is not None and req.pending is not None
+    # -- the forward pass ------------------------------------------------------------------
+    def _execute(self, batch: list[tuple[Seq, int]], outs: list[RequestOutput]) -> None:
+        """One forward pass over ``batch``; then advance, sample, and finish what ended."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slices: list[SeqSlice] = []
+        rows: list[int] = []
+        samplers: list[Seq] = []
+        for seq, n in batch:
+            assert seq.table is not None
+            start = seq.computed
+            ids.extend(seq.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slices.append(SeqSlice(start, n, seq.table.slot_mapping(0, start + n)))
+            if start + n == seq.num_tokens:  # its whole sequence is in: it samples
+                rows.append(len(ids) - 1)
+                samplers.append(seq)
         try:
-            cache.feed([req.pending])
-        except OutOfBlocksError:
-            self._preempt(req, outs)
-            return
-        self._forward(req, [req.pending], outs, fed=True)
-
-    def _forward(
-        self, req: _Request, ids: list[int], outs: list[RequestOutput], *, fed: bool = False
-    ) -> None:
-        cache = req.cache
-        assert cache is not None
-        try:
-            if not fed:
-                cache.feed(ids)
-            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            meta = BatchMeta(self.storage, slices)
             with torch.no_grad():
                 out = self.model(
-                    input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1
+                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                    position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                    attention_mask=self._no_mask,
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
+                    kvtier_batch=meta,
                 )
-            logits = out.logits[0, -1]
-            token, logprob = req.sampler.sample(logits)
-            choices = [] if req.forked else self._fork_choices(req, logits)
-        except KvTierError as exc:
-            self.counters.forward_errors += 1
-            log.exception("request %s failed", req.request_id)
-            self._finish(req, "error", "", outs, error=str(exc))
-            return
+            logits = out.logits[0]
         except Exception as exc:
-            self.counters.forward_errors += 1
-            log.exception("forward pass of request %s failed", req.request_id)
-            self._finish(req, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
+            self.counters.forward_errors += len(batch)
+            log.exception("the forward pass of %d sequences failed", len(batch))
+            for seq, _ in batch:
+                self._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
             return
-        self._on_token(req, token, logprob, outs)
-        for child, child_token, child_logprob in choices:
-            self._on_token(child, child_token, child_logprob, outs)
+        self.steps += 1
+        for seq, n in batch:
+            self._advance(seq, n)
+        for i, seq in enumerate(samplers):
+            if seq not in self._running:
+                continue
+            row = logits[i]
+            try:
+                token, logprob = seq.sampler.sample(row)
+                choices = [] if seq.forked else self._fork_choices(seq, row)
+            except Exception as exc:
+                self.counters.forward_errors += 1
+                log.exception("sampling for request %s failed", seq.request_id)
+                self._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
+                continue
+            self._on_token(seq, token, logprob, outs)
+            for child, child_token, child_logprob in choices:
+                self._on_token(child, child_token, child_logprob, outs)
+
+    def _advance(self, seq: Seq, n: int) -> None:
+        """``n`` more of ``seq``'s tokens have K/V: count them, store them through, mark them."""
+        start = seq.computed
+        seq.computed = start + n
+        prompt_part = max(0, min(seq.computed, seq.admit_len) - start)
+        self.counters.computed_prompt_tokens += prompt_part
+        tiers = self.tiers
+        bs = self.manager.block_size
+        first, last = start // bs, seq.computed // bs
+        if tiers is not None and tiers.writes_through and last > first:
+            assert seq.table is not None
+            keys = self.manager.block_keys(seq.seq_id)[first:last]
+            tiers.store_computed(keys, seq.table.blocks[first : first + len(keys)])
+        if seq.unready:
+            self._mark_unready(seq)
 
     def _fork_choices(
-        self, req: _Request, logits: torch.Tensor
-    ) -> list[tuple[_Request, int, TokenLogprob | None]]:
-        """Start choices 1 .. n-1 of ``req`` from its computed prompt (shared blocks)."""
-        req.forked = True
-        cache = req.cache
-        assert cache is not None
-        out: list[tuple[_Request, int, TokenLogprob | None]] = []
-        group = self._by_id[req.request_id]
+        self, seq: Seq, logits: torch.Tensor
+    ) -> list[tuple[Seq, int, TokenLogprob | None]]:
+        """Start choices 1 .. n-1 of ``seq`` from its computed prompt (shared blocks)."""
+        seq.forked = True
+        out: list[tuple[Seq, int, TokenLogprob | None]] = []
+        group = self._by_id[seq.request_id]
         try:
-            for i in range(1, req.params.n):
-                seq_id = f"{req.request_id}#{i}"
-                child = _Request(
-                    req.request_id,
-                    req.prompt_ids,
-                    req.params,
-                    Sampler(req.params, seed_offset=i),
-                    IncrementalDetokenizer(self.tokenizer, req.params.stop),
-                    dataclasses.replace(req.metrics),
+            for i in range(1, seq.params.n):
+                child = Seq(
+                    seq.request_id,
+                    seq.prompt_ids,
+                    seq.params,
+                    Sampler(seq.params, seed_offset=i),
+                    IncrementalDetokenizer(self.tokenizer, seq.params.stop),
+                    dataclasses.replace(seq.metrics),
                     index=i,
-                    seq_id=seq_id,
+                    seq_id=f"{seq.request_id}#{i}",
                     forked=True,
                     admissions=1,
                 )
-                child.cache = cache.fork(seq_id)
+                child.table = self.manager.fork(seq.seq_id, child.seq_id)
+                child.known, child.computed = seq.known, seq.computed
+                child.admit_len = seq.admit_len
+                child.order = next(self._order)
                 token, logprob = child.sampler.sample(logits)
                 group.append(child)
                 self._running.append(child)
                 self.counters.forked_sequences += 1
                 out.append((child, token, logprob))
         except BaseException:
-            # A fork that could not start (out of blocks for a copy) undoes every choice.
+            # A choice that could not start undoes every choice started here.
             for child, _, _ in out:
                 self._running.remove(child)
                 group.remove(child)
-                if child.cache is not None:
-                    child.cache.release()
+                self.manager.free(child.seq_id)
             raise
         return out
 
     def _on_token(
         self,
-        req: _Request,
+        seq: Seq,
         token: int,
         logprob: TokenLogprob | None,
         outs: list[RequestOutput],
     ) -> None:
-        m = req.metrics
+        m = seq.metrics
         now = time.perf_counter()
         if m.first_token_time is None:
             m.first_token_time = now
             self.counters.ttft.observe(now - m.arrival_time)
-        req.generated.append(token)
+        seq.generated.append(token)
         m.completion_tokens += 1
         self.counters.generation_tokens += 1
         lp = () if logprob is None else (logprob,)
-        if token in self.eos_token_ids and not req.params.ignore_eos:
-            self._finish(req, "stop", req.detok.flush(), outs, token=token, logprobs=lp)
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            self._finish(seq, "stop", seq.detok.flush(), outs, token=token, logprobs=lp)
             return
-        text = req.detok.add(token)
-        if req.detok.stopped:
-            self._finish(req, "stop", text, outs, token=token, logprobs=lp)
+        text = seq.detok.add(token)
+        if seq.detok.stopped:
+            self._finish(seq, "stop", text, outs, token=token, logprobs=lp)
         elif (
-            len(req.generated) >= req.params.max_tokens
-            or len(req.prompt_ids) + len(req.generated) >= self.max_model_len
+            len(seq.generated) >= seq.params.max_tokens
+            or seq.num_tokens >= self.max_model_len
         ):
-            self._finish(req, "length", text + req.detok.flush(), outs, token=token, logprobs=lp)
+            self._finish(seq, "length", text + seq.detok.flush(), outs, token=token, logprobs=lp)
         else:
-            req.pending = token
             outs.append(
                 RequestOutput(
-                    req.request_id, text, [token], False, None, m, index=req.index, logprobs=lp
+                    seq.request_id, text, [token], False, None, m, index=seq.index, logprobs=lp
                 )
             )
 
-    def _preempt(self, req: _Request, outs: list[RequestOutput]) -> None:
-        cache = req.cache
-        assert cache is not None
-        if len(self._running) == 1:
-            self._finish(
-                req,
-                "error",
-                "",
-                outs,
-                error="out of KV cache blocks with no other request to wait for",
-            )
+    # -- leaving the batch -----------------------------------------------------------------
+    def _release(self, seq: Seq, *, keep: bool) -> None:
+        """Give back ``seq``'s blocks: computed ones stay cached if ``keep``, else withdrawn."""
+        if seq.table is None:
             return
-        if self.tiers is not None and self.prefix_caching:
-            try:
-                req.swapped = cache.swap_out()
-            except KvTierError:
-                log.exception("swapping out request %s failed; it will recompute", req.request_id)
-                cache.release()
+        if seq.load is not None:
+            assert self.tiers is not None
+            self.tiers.finish_load(seq.load)  # releases the tiers' pins on what it read
+            seq.load = None
+        if not keep:
+            self.manager.abort(seq.seq_id, seq.metrics.cached_tokens if seq.admissions == 1 else 0)
+        elif seq.known > seq.computed:
+            self.manager.abort(seq.seq_id, seq.computed)
         else:
-            cache.release()
-        req.cache = None
-        self._running.remove(req)
-        self._waiting.appendleft(req)
-        req.metrics.preemptions += 1
+            self.manager.free(seq.seq_id)
+        seq.table = None
+        seq.known = seq.computed = 0
+        self._mark_unready(seq)
+
+    def _preempt(self, seq: Seq, batch: list[tuple[Seq, int]]) -> None:
+        """Take ``seq`` out of the running set; it resumes later from its cached blocks."""
+        for i, (s, _) in enumerate(batch):
+            if s is seq:
+                del batch[i]
+                break
+        if seq.load is not None:
+            self._complete_load(seq)
+        if (
+            self.tiers is not None
+            and self.prefix_caching
+            and seq.known == seq.computed
+            and seq.computed > 0
+        ):
+            try:
+                seq.swapped = self.tiers.swap_out(seq.seq_id, seq.tokens, seq.computed)
+                seq.table = None
+                seq.known = seq.computed = 0
+                self._mark_unready(seq)
+            except KvTierError:
+                log.exception("swapping out request %s failed; it will recompute", seq.seq_id)
+                self._release(seq, keep=True)
+        else:
+            self._release(seq, keep=self.prefix_caching)
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        seq.metrics.preemptions += 1
         self.counters.preemptions += 1
 
     def _finish(
         self,
-        req: _Request,
+        seq: Seq,
         reason: str,
         text: str,
         outs: list[RequestOutput],
@@ -787,51 +897,50 @@ class Engine:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
-        cache = req.cache
-        if cache is not None:
+        if seq.table is not None:
             if reason == "error":
-                cache.abort()
-            elif self.prefix_caching:
-                cache.release()
+                if seq.load is not None:
+                    assert self.tiers is not None
+                    self.tiers.finish_load(seq.load)
+                    seq.load = None
+                self.manager.abort(seq.seq_id, seq.computed)
+                seq.table = None
+                self._mark_unready(seq)
             else:
-                cache.discard()
-            req.cache = None
-        if req in self._running:
-            self._running.remove(req)
-        elif req in self._waiting:
-            self._waiting.remove(req)
-        group = self._by_id.get(req.request_id)
-        if group is not None and req in group:
-            group.remove(req)
+                self._release(seq, keep=self.prefix_caching)
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        group = self._by_id.get(seq.request_id)
+        if group is not None and seq in group:
+            group.remove(seq)
             if not group:
-                del self._by_id[req.request_id]
-        req.metrics.finish_time = time.perf_counter()
+                del self._by_id[seq.request_id]
+        m = seq.metrics
+        m.finish_time = time.perf_counter()
         c = self.counters
         c.finished[reason] = c.finished.get(reason, 0) + 1
-        c.e2e_seconds += req.metrics.finish_time - req.metrics.arrival_time
+        c.e2e_seconds += m.finish_time - m.arrival_time
         c.e2e_count += 1
-        c.last = req.metrics
+        c.last = m
         outs.append(
             RequestOutput(
-                req.request_id,
+                seq.request_id,
                 text,
                 [] if token is None else [token],
                 True,
                 reason,
-                req.metrics,
+                m,
                 error,
-                index=req.index,
+                index=seq.index,
                 logprobs=logprobs,
             )
         )
-        if not req.forked:
+        if not seq.forked:
             # It ended before its prompt was forked: the other choices end with it.
-            for i in range(1, req.params.n):
-                outs.append(
-                    RequestOutput(
-                        req.request_id, "", [], True, reason, req.metrics, error, index=i
-                    )
-                )
+            for i in range(1, seq.params.n):
+                outs.append(RequestOutput(seq.request_id, "", [], True, reason, m, error, index=i))
 
 
 def check_config(config: EngineConfig, tokenizer: Any = None) -> None:

@@ -4,8 +4,8 @@ The engine (and the manager under it) is single-threaded. :class:`EngineWorker`
 owns it on one background thread: callers on any thread :meth:`~EngineWorker.submit`
 requests and read their outputs from a :class:`RequestHandle`, synchronously
 (iterate it) or from asyncio (:meth:`RequestHandle.stream`). Concurrent
-requests queue and are interleaved by the engine's round-robin steps; none
-can see or corrupt another's blocks, since only the worker thread touches them.
+requests queue and run together in the engine's batched steps; none can see
+or corrupt another's blocks, since only the worker thread touches them.
 
 No request can stop the thread: a request the engine refuses, or that fails
 in a way nobody foresaw, fails alone (its handle gets an ``"error"`` output

@@ -115,7 +115,7 @@ class Tier:
         self.fmt: BlockFormat | None = None
         #: ``"write_back"`` or ``"write_through"`` (default: through for shared media).
         self.write_mode: WriteMode = _write_mode(
-            write_mode, "write_through" if store.shared else "write_back"
+            write_mode, "write_through" if store.caps.shared else "write_back"
         )
 
     @property
@@ -139,6 +139,15 @@ def _write_mode(mode: str | None, default: WriteMode) -> WriteMode:
     if mode not in WRITE_MODES:
         raise ConfigError(f"write_mode must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
     return "write_back" if mode == "write_back" else "write_through"
+
+
+@dataclass
+class PendingLoad:
+    """A load :meth:`TierChain.start_load` began: per-tier batches, some read in the background."""
+
+    batches: list[_Batch]
+    #: Blocks the tiers held when the load began (the most it can bring in).
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,13 +221,16 @@ class TierChain:
         self.reconcile_batch = reconcile_batch
         self._last_reconcile = time.monotonic()
         self._reconcile_due: set[int] = set()
+        # Background reads of loads in flight, and the results that came back.
+        self._load_jobs: set[int] = set()
+        self._load_results: dict[int, TransferResult] = {}
         self._reconcile_cursor: dict[int, int] = {}
         shape = tuple(storage.block_shape)
         for tier in self.tiers:
             fmt = BlockFormat(tier.codec, shape, storage.dtype, ns)
             tier.fmt = fmt
             tier.store.bind(fmt, tier.capacity)
-            if tier.store.persistent:
+            if tier.store.caps.persistent:
                 self._adopt_persistent(tier)
         if self.tiers[0].writes_back:
             manager.pool.evict_listener = self._on_device_evict
@@ -271,7 +283,7 @@ class TierChain:
     def _probe_shared(self, keys: Sequence[int], i: int, probed: set[int]) -> int:
         """Ask shared media (Redis) about ``keys[i:]``; adopt what they hold. Tier index or -1."""
         for t, tier in enumerate(self.tiers):
-            if not tier.store.shared or t in probed:
+            if not tier.store.caps.shared or t in probed:
                 continue
             probed.add(t)
             rest = [k for k in keys[i:] if k not in tier.manager]
@@ -300,44 +312,69 @@ class TierChain:
         until it is done with them). Only verified payloads are written; the
         count stops at the first block that could not be loaded.
         """
+        pending = self.start_load(keys, blocks)
+        return 0 if pending is None else self.finish_load(pending)
+
+    def start_load(self, keys: Sequence[int], blocks: Sequence[int]) -> PendingLoad | None:
+        """Begin loading the leading ``keys`` some tier holds; ``None`` when no tier has the first.
+
+        Reads from slow media run in the background; :meth:`load_done` says
+        when they are in and :meth:`finish_load` verifies them and writes
+        them into ``blocks`` (on the caller's thread, between forward passes).
+        ``PendingLoad.num_blocks`` is how many blocks the tiers promised.
+        """
         if len(keys) != len(blocks):
             raise ConfigError(f"load got {len(keys)} keys but {len(blocks)} blocks")
         with self._lock:
             self._poll_locked()
             plan = self._lookup(keys)
             if not plan:
-                return 0
+                return None
             batches = self._plan_batches(plan, keys, blocks)
             for b in batches:
                 tier = self.tiers[b.tier]
                 b.slots = tier.manager.prepare_load(b.keys)
                 items = list(zip(b.keys, b.slots, strict=True))
-                if tier.store.name == "host":
+                if not tier.store.caps.background:
                     try:
                         b.stored = tier.store.get(items)
                     except KvTierError as exc:
                         b.error = exc
                 else:
                     b.job = self.transfer.submit("load", _Reader(tier.store, items), b.tier)
-            jobs = [b.job for b in batches if b.job >= 0]
-            if jobs:
-                results = {r.job_id: r for r in self.transfer.wait(jobs)}
-                for b in batches:
-                    if b.job >= 0:
-                        r = results[b.job]
-                        if r.ok:
-                            b.stored = r.value
-                        else:
-                            b.error = r.error
+                    self._load_jobs.add(b.job)
+            return PendingLoad(batches, len(plan))
+
+    def load_done(self, pending: PendingLoad) -> bool:
+        """Whether every read of ``pending`` has finished (never blocks)."""
+        with self._lock:
+            self._poll_locked()
+            return all(b.job < 0 or b.job in self._load_results for b in pending.batches)
+
+    def finish_load(self, pending: PendingLoad) -> int:
+        """Wait for ``pending``'s reads, verify and install them; returns the blocks loaded."""
+        jobs = [b.job for b in pending.batches if b.job >= 0]
+        waiting = [j for j in jobs if j not in self._load_results]
+        done = self.transfer.wait(waiting) if waiting else []
+        with self._lock:
+            self._poll_locked(done)
+            for b in pending.batches:
+                if b.job >= 0:
+                    r = self._load_results.pop(b.job)
+                    self._load_jobs.discard(b.job)
+                    if r.ok:
+                        b.stored = r.value
+                    else:
+                        b.error = r.error
             loaded = 0
             try:
-                for b in batches:
+                for b in pending.batches:
                     got = self._install(b)
                     loaded += got
                     if got < len(b.keys):
                         break
             finally:
-                for b in batches:
+                for b in pending.batches:
                     self.tiers[b.tier].manager.complete_load(b.keys)
             return loaded
 
@@ -411,10 +448,9 @@ class TierChain:
         mgr.complete_load(keys)
         mgr.remove(keys)
         # The medium may be shared (Redis): a bad value is purged for everyone.
-        purge = getattr(tier.store, "purge", None)
         try:
-            if purge is not None:
-                purge(items)
+            if tier.store.caps.purge:
+                tier.store.purge(items)
             else:
                 tier.store.delete(items)
         except KvTierError as exc:
@@ -490,7 +526,7 @@ class TierChain:
         # Evicted blocks go down a tier; read them before their slots are reused.
         if out.evicted_keys and cascade and self._next_writes_back(t):
             self._cascade(t, out.evicted_keys, out.evicted_slots)
-        elif out.evicted_keys and tier.store.name != "host":
+        elif out.evicted_keys and tier.store.caps.background:
             try:
                 tier.store.delete(list(zip(out.evicted_keys, out.evicted_slots, strict=True)))
             except KvTierError:
@@ -500,7 +536,7 @@ class TierChain:
             (k, s, payloads[index[k]]) for k, s in zip(out.keys_to_store, out.slots, strict=True)
         ]
         nbytes = sum(int(p.numel()) for _, _, p in items)
-        if tier.store.name == "host":
+        if not tier.store.caps.background:
             try:
                 tier.store.put(items)
             except Exception as exc:
@@ -530,13 +566,13 @@ class TierChain:
         """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``."""
         tier = self.tiers[t]
         if not self._next_writes_back(t):
-            if tier.store.name != "host":
+            if tier.store.caps.background:
                 try:
                     tier.store.delete(list(zip(keys, slots, strict=True)))
                 except KvTierError:
                     tier.counters.unavailable_errors += 1
             return
-        if tier.store.name != "host":
+        if tier.store.caps.background:
             # Payloads on disk or in Redis would need a read to move down;
             # the lower tier keeps what write-through or earlier demotions put there.
             return
@@ -573,6 +609,9 @@ class TierChain:
             done = self.transfer.get_finished()
         handled = 0
         for r in done:
+            if r.kind == "load" and r.job_id in self._load_jobs:
+                self._load_results[r.job_id] = r  # its finish_load takes it
+                continue
             if r.kind != "store":
                 continue
             meta = self._pending.pop(r.job_id, None)
@@ -645,7 +684,7 @@ class TierChain:
 
     def _reconcile(self, t: int, limit: int | None) -> int:
         tier = self.tiers[t]
-        if not (tier.store.persistent or tier.store.shared):
+        if not (tier.store.caps.persistent or tier.store.caps.shared):
             return 0  # host memory loses nothing behind the chain's back
         mgr = tier.manager
         keys = mgr.ready_keys()

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError, TierUnavailableError
 from kvtier.offload.codec import as_buffer, make_header
-from kvtier.offload.media import BlockFormat, Stored, split_blob
+from kvtier.offload.media import BlockFormat, MediumCaps, Stored, split_blob
 
 _SUFFIX = ".kvb"
 
@@ -35,8 +35,7 @@ class DiskStore:
     """Encoded blocks as files under ``root``."""
 
     name = "disk"
-    persistent = True
-    shared = False
+    caps = MediumCaps(background=True, persistent=True)
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.root = Path(root)
@@ -120,6 +119,9 @@ class DiskStore:
         for key, _slot in items:
             with contextlib.suppress(FileNotFoundError):
                 self.path(key).unlink()
+
+    def purge(self, items: Sequence[tuple[int, int]]) -> None:
+        self.delete(items)  # nobody else reads this medium
 
     def contains(self, keys: Sequence[int]) -> list[bool]:
         return [self.path(k).is_file() for k in keys]

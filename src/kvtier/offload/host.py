@@ -15,15 +15,14 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.offload.codec import make_header
-from kvtier.offload.media import BlockFormat, Stored
+from kvtier.offload.media import BlockFormat, MediumCaps, Stored
 
 
 class HostStore:
     """Encoded blocks in one host tensor ``[capacity, payload_size]``."""
 
     name = "host"
-    persistent = False
-    shared = False
+    caps = MediumCaps(background=False)
 
     def __init__(self, *, pin_memory: bool | None = None) -> None:
         #: Pin when CUDA is present, so device copies can run asynchronously.
@@ -78,6 +77,9 @@ class HostStore:
     def delete(self, items: Sequence[tuple[int, int]]) -> None:
         for _key, slot in items:
             self._headers[slot] = None
+
+    def purge(self, items: Sequence[tuple[int, int]]) -> None:
+        self.delete(items)  # nobody else reads this medium
 
     def contains(self, keys: Sequence[int]) -> list[bool]:
         return [False] * len(keys)

@@ -53,15 +53,29 @@ class BlockFormat:
         return HEADER_SIZE + self.payload_size
 
 
+@dataclass(frozen=True, slots=True)
+class MediumCaps:
+    """What a medium can do; the tier chain decides how to use it from these alone."""
+
+    #: Reads and writes are slow I/O (files, network): they run on the transfer
+    #: engine, from snapshots. ``False``: a memory copy, done inline.
+    background: bool
+    #: Blocks survive a restart of this process (:meth:`BlockStore.scan` finds them).
+    persistent: bool = False
+    #: Other processes may add blocks (:meth:`BlockStore.contains` asks the medium itself).
+    shared: bool = False
+    #: :meth:`BlockStore.purge` deletes a block for every user of the medium
+    #: (``delete`` may leave a shared copy in place).
+    purge: bool = False
+
+
 class BlockStore(Protocol):
     """A storage medium for encoded blocks (host memory, a directory, Redis)."""
 
     #: Short name used in metrics and events: ``"host"``, ``"disk"``, ``"redis"``.
     name: str
-    #: Blocks survive a restart of this process (:meth:`scan` finds them).
-    persistent: bool
-    #: Other processes may add blocks (:meth:`contains` asks the medium itself).
-    shared: bool
+    #: What the medium can do.
+    caps: MediumCaps
 
     def bind(self, fmt: BlockFormat, capacity: int) -> None:
         """Called once by the tier before any other call."""
@@ -76,6 +90,10 @@ class BlockStore(Protocol):
         ...
 
     def delete(self, items: Sequence[tuple[int, int]]) -> None: ...
+
+    def purge(self, items: Sequence[tuple[int, int]]) -> None:
+        """Delete for every user of a shared medium (only called when ``caps.purge``)."""
+        ...
 
     def contains(self, keys: Sequence[int]) -> list[bool]:
         """Whether the medium holds each key (shared media; others may answer False)."""

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from kvtier.errors import ConfigError, TierUnavailableError
-from kvtier.offload.media import BlockFormat, Stored, pack_blob, split_blob
+from kvtier.offload.media import BlockFormat, MediumCaps, Stored, pack_blob, split_blob
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -74,8 +74,7 @@ class RedisStore:
     """
 
     name = "redis"
-    persistent = False
-    shared = True
+    caps = MediumCaps(background=True, shared=True, purge=True)
 
     def __init__(
         self,

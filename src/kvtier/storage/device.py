@@ -393,6 +393,30 @@ class KVBlockStorage:
             k, v = k.view(self.dtype), v.view(self.dtype)
         return k, v
 
+    # -- by precomputed rows (the batched forward's hot path) -----------------------
+    def slot_rows(self, slots: Indices) -> torch.Tensor:
+        """Checked row indices of ``slots`` for :meth:`write_rows` and :meth:`read_rows`.
+
+        A batched forward pass converts its slots once and reuses the rows in
+        every layer; the row methods then skip all checks.
+        """
+        return self._slot_rows(slots).clone()
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` at rows from :meth:`slot_rows`, unchecked (``k``/``v`` as for write)."""
+        if self._op_dtype != self.dtype:
+            k, v = k.view(self._op_dtype), v.view(self._op_dtype)
+        self._k_rows[layer].index_copy_(0, rows, k)
+        self._v_rows[layer].index_copy_(0, rows, v)
+
+    def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V at rows from :meth:`slot_rows`: two new ``[n, heads, dim]``."""
+        k = self._k_rows[layer].index_select(0, rows)
+        v = self._v_rows[layer].index_select(0, rows)
+        if self._op_dtype != self.dtype:
+            k, v = k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
     # -- whole blocks -------------------------------------------------------------
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer's K and V) ``src -> dst``, e.g. ``Extension.copies``.
