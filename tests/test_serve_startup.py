@@ -125,10 +125,8 @@ def _serve(script: str, *args: str, timeout: float = 120) -> subprocess.Complete
 
 def _quiet(model_dir: Path, *extra: str) -> list[str]:
     """``serve`` arguments for the tiny model on any port, no pressure, warnings only."""
-    return [
-        "--model", str(model_dir), "--port", "0", "--pressure", "off",
-        "--log-level", "warning", *extra,
-    ]  # fmt: skip
+    quiet = ["--port", "0", "--pressure", "off", "--log-level", "warning"]
+    return ["--model", str(model_dir), *quiet, *extra]
 
 
 def test_a_dead_engine_thread_exits_70(model_dir: Path) -> None:

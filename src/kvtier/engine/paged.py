@@ -48,16 +48,37 @@ class SeqSlice:
 
 
 class BatchMeta:
-    """Index tensors of one batched pass, built once and shared by every layer."""
+    """Index tensors of one batched pass, built once and shared by every layer.
 
-    __slots__ = ("B", "L", "Q", "kv_rows", "mask", "new_rows", "q_gather", "q_scatter", "storage")
+    K/V are gathered by token rows of the layer's contiguous row view
+    (strided whole-block gathers copy far more than they read): sequence
+    ``i`` reads rows for the first ``NB`` blocks of its table, padded with its
+    first block, and the mask hides positions past its length.
+    """
+
+    __slots__ = (
+        "B",
+        "NB",
+        "Q",
+        "decode_only",
+        "kv_rows",
+        "mask",
+        "new_rows",
+        "q_gather",
+        "q_scatter",
+        "storage",
+    )
 
     def __init__(self, storage: KVBlockStorage, seqs: Sequence[SeqSlice]) -> None:
         device = storage.device
+        bs = storage.layout.block_size
         self.storage = storage
         self.B = len(seqs)
         self.Q = Q = max(s.num_new for s in seqs)
-        self.L = L = max(s.start + s.num_new for s in seqs)
+        self.NB = NB = max(-(-(s.start + s.num_new) // bs) for s in seqs)
+        L = NB * bs
+        #: Every sequence brings one token in order (pure decode): queries need no reshuffling.
+        self.decode_only = Q == 1
         new_slots: list[int] = []
         kv_slots: list[int] = []
         q_gather: list[int] = []
@@ -68,11 +89,13 @@ class BatchMeta:
         for i, s in enumerate(seqs):
             n = s.start + s.num_new
             new_slots.extend(s.slots[s.start : n])
-            kv = list(s.slots[:n])
-            kv_slots.extend(kv + [kv[0]] * (L - n))  # padding reads a real row, masked out
-            q_gather.extend(range(t, t + s.num_new))
-            q_gather.extend([t] * (Q - s.num_new))
-            q_scatter.extend(range(i * Q, i * Q + s.num_new))
+            blocks = [s.slots[p] // bs for p in range(0, n, bs)]
+            blocks += [blocks[0]] * (NB - len(blocks))  # padding, masked out
+            kv_slots.extend(b * bs + j for b in blocks for j in range(bs))
+            if not self.decode_only:
+                q_gather.extend(range(t, t + s.num_new))
+                q_gather.extend([t] * (Q - s.num_new))
+                q_scatter.extend(range(i * Q, i * Q + s.num_new))
             lengths.append(n)
             starts.append(s.start)
             t += s.num_new
@@ -127,18 +150,23 @@ def paged_attention(
     storage = meta.storage
     # [1, heads, T, dim] -> [T, heads, dim]
     storage.write_rows(layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    k, v = storage.read_rows(layer, meta.kv_rows)
-    B, L, Q = meta.B, meta.L, meta.Q
+    k, v = storage.read_rows(layer, meta.kv_rows)  # [B * NB * block_size, kv_heads, dim]
+    B, Q = meta.B, meta.Q
     kv_heads, dim = k.shape[1], k.shape[2]
-    k = k.view(B, L, kv_heads, dim).transpose(1, 2)
-    v = v.view(B, L, kv_heads, dim).transpose(1, 2)
+    k = k.view(B, -1, kv_heads, dim).transpose(1, 2)
+    v = v.view(B, -1, kv_heads, dim).transpose(1, 2)
     heads = query.shape[1]
-    q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
+    if meta.decode_only:  # token t is sequence t's one query
+        q = query[0].transpose(0, 1).unsqueeze(2)
+    else:
+        q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=heads != kv_heads
     )
     # [B, heads, Q, dim] -> [B * Q, heads, dim] -> the real tokens, in pass order
-    out = out.transpose(1, 2).reshape(B * Q, heads, dim).index_select(0, meta.q_scatter)
+    out = out.transpose(1, 2).reshape(B * Q, heads, dim)
+    if not meta.decode_only:
+        out = out.index_select(0, meta.q_scatter)
     return out.unsqueeze(0), None
 
 
