@@ -20,6 +20,11 @@ SHARED = REPO / "shared" if (REPO / "shared").is_dir() else REPO.parent / "share
 CONVERSATION_TRACE = SHARED / "traces" / "mooncake_conversation_dev.jsonl"
 
 
+def log(message: str) -> None:
+    """Progress for the person running the benchmark (stderr, so tables stay clean)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence of numbers."""
     return float(statistics.median(values))

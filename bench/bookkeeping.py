@@ -57,7 +57,6 @@ import cProfile
 import gc
 import inspect
 import io
-import json
 import math
 import os
 import pstats
@@ -77,6 +76,7 @@ from _common import (
     format_markdown_table,
     format_table,
     git_state,
+    log,
     machine_info,
     median,
     package_version,
@@ -84,6 +84,7 @@ from _common import (
 )
 
 from kvtier import KVCacheManager
+from kvtier.replay import load_trace
 
 DEFAULT_TRACE = CONVERSATION_TRACE
 DEFAULT_JSON = REPO / "bench" / "results" / "bookkeeping.json"
@@ -96,9 +97,6 @@ MODES = ("bookkeeping", "with hashing")
 EXTEND_TAKES_KEYS = "block_keys" in inspect.signature(KVCacheManager.extend).parameters
 SYSTEMS = ("kvtier", "vllm")
 
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the request stream -------------------------------------------------------
@@ -194,18 +192,6 @@ class TokenSource:
         self._blocks.clear()
 
 
-def load_trace(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            records.append(json.loads(line))
-            if limit is not None and len(records) >= limit:
-                break
-    return records
-
-
 def trace_workload(
     path: Path, limit: int | None, block_size: int, window: int, src: TokenSource
 ) -> Workload:
@@ -216,18 +202,18 @@ def trace_workload(
     cut to ``input_length`` (the last hash id covers a partial block), and the
     ``output_length`` generated tokens are unique to the request.
     """
-    records = load_trace(path, limit)
+    trace = load_trace(path, block_size=TRACE_HASH_BLOCK, limit=limit)
     requests: list[Request] = []
-    for i, rec in enumerate(records):
+    for i, rec in enumerate(trace.requests):
         prompt: list[int] = []
-        for hash_id in rec["hash_ids"]:
-            prompt += src.trace_block(int(hash_id))
-        n = int(rec["input_length"])
+        for hash_id in rec.keys:  # a Mooncake trace's keys are its hash_ids
+            prompt += src.trace_block(hash_id)
+        n = rec.input_length
         if n <= len(prompt):
             del prompt[n:]
         else:  # not in the published traces; kept for other files of the format
             prompt += src.unique(2 * i + 1, n - len(prompt))
-        output = src.unique(2 * i, int(rec["output_length"]))
+        output = src.unique(2 * i, rec.output_length)
         requests.append(Request(prompt, output))
     src.forget_blocks()
     return Workload(

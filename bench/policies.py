@@ -81,6 +81,7 @@ from _common import (
     format_markdown_table,
     format_table,
     git_state,
+    log,
     machine_info,
     median,
     package_version,
@@ -130,9 +131,6 @@ SYS_MGR_VLLM = "vLLM manager + vLLM"
 SYS_MGR_KVTIER = "vLLM manager + kvtier"
 DRV_MGR = "CPUOffloadingManager"
 
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the access stream ----------------------------------------------------------

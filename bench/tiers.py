@@ -76,6 +76,7 @@ from _common import (
     format_markdown_table,
     format_table,
     git_state,
+    log,
     machine_info,
     median,
     package_version,
@@ -97,9 +98,6 @@ QUESTION_TOKENS = 64
 CODECS = ("raw", "int8", "fp8")
 TARGET_RATIO = 0.70
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- redis-server ---------------------------------------------------------------------------
@@ -473,21 +471,9 @@ def throughput(
 
 def build_prompts(tokenizer: Any, prefix_tokens: int, n: int) -> tuple[list[int], list[list[int]]]:
     """bench/ttft.py's prefix (cut to ``prefix_tokens``) and ``n`` new 64-token questions."""
-    from ttft import SYSTEM, TOPICS, _document_text, _exact
+    from ttft import build_prompts as ttft_prompts
 
-    head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nDocument:\n"
-    prefix = _exact(tokenizer, head + _document_text(), prefix_tokens, " more text")
-    tail = list(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
-    questions = []
-    for i in range(n):
-        topic = TOPICS[i % len(TOPICS)]
-        text = (
-            f"\n\nQuestion {i + 1}: according to the document, {topic}? "
-            "Answer in one short paragraph and cite the section you used."
-        )
-        body = _exact(tokenizer, text, QUESTION_TOKENS - len(tail), " Please be precise.")
-        questions.append(body + tail)
-    return prefix, questions
+    return ttft_prompts(tokenizer, n, prefix_tokens)
 
 
 def ttft(

@@ -95,10 +95,12 @@ def _exact(tokenizer: Any, text: str, n: int, filler: str) -> list[int]:
     return ids[:n]
 
 
-def build_prompts(tokenizer: Any, n_questions: int) -> tuple[list[int], list[list[int]]]:
-    """The 2,048-token prefix and ``n_questions`` distinct 64-token suffixes."""
+def build_prompts(
+    tokenizer: Any, n_questions: int, prefix_tokens: int = PREFIX_TOKENS
+) -> tuple[list[int], list[list[int]]]:
+    """A ``prefix_tokens`` prefix (2,048) and ``n_questions`` distinct 64-token suffixes."""
     head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nDocument:\n"
-    prefix = _exact(tokenizer, head + _document_text(), PREFIX_TOKENS, " more text")
+    prefix = _exact(tokenizer, head + _document_text(), prefix_tokens, " more text")
     tail = list(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
     questions = []
     for i in range(n_questions):

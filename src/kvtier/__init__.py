@@ -1,7 +1,7 @@
 """kvtier: a KV-cache manager for LLM inference.
 
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
-prefix index, the device block pool, eviction and admission policies, the
+device block pool, eviction and admission policies, the
 request-level :class:`KVCacheManager`, memory-pressure control
 (:mod:`kvtier.pressure`), and trace replay (:mod:`kvtier.replay`).
 
@@ -27,7 +27,6 @@ from kvtier.errors import (
     TierUnavailableError,
     UnknownRequestError,
 )
-from kvtier.index import IndexEntry, PrefixIndex, Tier
 from kvtier.integrations.errors import (
     IntegrationError,
     MissingDependencyError,
@@ -118,7 +117,6 @@ __all__ = [
     "DuplicateRequestError",
     "EvictionPolicy",
     "Extension",
-    "IndexEntry",
     "InternalInvariantError",
     "KVCacheManager",
     "KVLayout",
@@ -127,7 +125,6 @@ __all__ = [
     "Namespace",
     "OutOfBlocksError",
     "PolicyBase",
-    "PrefixIndex",
     "PressureEvent",
     "HostMemoryMonitor",
     "Ladder",
@@ -146,7 +143,6 @@ __all__ = [
     "IntegrationError",
     "MissingDependencyError",
     "UnsupportedVllmError",
-    "Tier",
     "TierUnavailableError",
     "UnknownRequestError",
     "__version__",
@@ -168,6 +164,7 @@ _LAZY = {
     "EngineWorker": "kvtier.engine",
     "SamplingParams": "kvtier.engine",
     "create_app": "kvtier.server",
+    "Tier": "kvtier.offload.chain",
     "TierChain": "kvtier.offload.chain",
     "SwappedRequest": "kvtier.offload.chain",
     "TierSpec": "kvtier.offload.config",

@@ -2,7 +2,7 @@
 
 ``allocate`` finds the longest cached prefix of a new request, takes
 references on those blocks, allocates the rest and publishes the prompt's
-full blocks to the prefix index; ``extend`` appends tokens (copy-on-write for
+full blocks for reuse; ``extend`` appends tokens (copy-on-write for
 a shared partial block); ``free`` releases; ``fork`` shares a request's blocks
 with a new one. Blocks are published as soon as they are allocated, as in a
 step-synchronous engine: the caller writes the KV of every token it was given

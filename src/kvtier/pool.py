@@ -12,8 +12,8 @@ Every physical block is in exactly one state:
 The device is the hot path, so its residency and prefix chains live here in
 flat per-block arrays (key, parent block, children) and one ``key -> block``
 dict, not in per-key objects: publishing or evicting a block costs a few list
-operations and one dict operation. The :class:`~kvtier.index.PrefixIndex`
-keeps the same facts for the slower tiers.
+operations and one dict operation. The tiers below the device keep theirs
+in their offloading managers (:mod:`kvtier.offload`).
 
 Allocation pops the free list and, when that is empty, asks the policy for
 victims (O(1) each for the shipped policies). A victim's cached descendants
