@@ -70,8 +70,6 @@ LOOSE = _TURNS * _NEWS
 _CLASSES = LOOSE + 1
 #: A class's value table is recomputed when a hazard moved by more than this share.
 _RETABLE = 0.02
-#: History kept: at least this many keys, whatever the capacity.
-_MIN_HISTORY = 4096
 
 
 def request_class(turn: int, new_blocks: int) -> int:
@@ -165,7 +163,7 @@ class LearnedReusePolicy(PolicyBase):
     """Evict the blocks least likely to be reused soon, as learned per request class.
 
     ``history`` sizes the chain history in keys, as a multiple of the
-    capacity (at least 4096 keys); ``prior`` is the weight, in blocks, of the
+    capacity (at least ``min_history`` keys); ``prior`` is the weight, in blocks, of the
     proportional-hazards fit in each class's estimate; ``refresh`` is how
     many requests pass between recomputations of the value table; ``guard``
     turns the sampled-LRU guard on (see the module docs).
@@ -179,6 +177,7 @@ class LearnedReusePolicy(PolicyBase):
         prior: float = 1024.0,
         refresh: int = 64,
         guard: bool = True,
+        min_history: int = 4096,
     ) -> None:
         if not isinstance(history, int) or history < 1:
             raise ConfigError(f"history must be at least 1 (times the capacity), got {history!r}")
@@ -186,6 +185,10 @@ class LearnedReusePolicy(PolicyBase):
             raise ConfigError(f"prior must be positive, got {prior!r}")
         if not isinstance(refresh, int) or refresh < 1:
             raise ConfigError(f"refresh must be at least 1 request, got {refresh!r}")
+        if not isinstance(min_history, int) or min_history < 1:
+            raise ConfigError(f"min_history must be at least 1 key, got {min_history!r}")
+        #: History kept: at least this many keys, whatever the capacity.
+        self.min_history = min_history
         self.capacity = 0
         #: Size units held by resident keys.
         self.used = 0
@@ -194,7 +197,7 @@ class LearnedReusePolicy(PolicyBase):
         self._refresh = refresh
         self._use_guard = guard
         self.guard: LRUGuard | None = None
-        self._hist_limit = _MIN_HISTORY
+        self._hist_limit = self.min_history
         # Residency.
         self._res: dict[int, _Rec] = {}
         self._pinned: set[int] = set()
@@ -225,7 +228,7 @@ class LearnedReusePolicy(PolicyBase):
 
     def bind(self, capacity: int) -> None:
         super().bind(capacity)
-        self._hist_limit = max(self._history * capacity, _MIN_HISTORY)
+        self._hist_limit = max(self._history * capacity, self.min_history)
         self.guard = LRUGuard(capacity) if self._use_guard else None
 
     # -- the request ----------------------------------------------------------------------
@@ -241,11 +244,13 @@ class LearnedReusePolicy(PolicyBase):
         now = self._now
         if now >= self._wake:
             self._advance(now)
+        n = len(keys)
+        if not n:
+            return
         guard = self.guard
         if guard is not None:
             guard.observe(keys, self._res)
         hist = self._hist
-        n = len(keys)
         m = 0
         while m < n and keys[m] in hist:
             m += 1
