@@ -177,6 +177,7 @@ class LearnedMachine(RuleBasedStateMachine):
     def history_is_bounded(self) -> None:
         p = self.p
         assert p.history_size <= p.history_limit + len(p) + self.outside
+        assert p.history_chains[1] <= 2 * p.history_limit + self.outside + 3
 
 
 TestLearnedMachine = LearnedMachine.TestCase
@@ -220,6 +221,16 @@ def test_misuse_and_bad_arguments() -> None:
     with pytest.raises(ConfigError):
         p.insert_many([1, 2], sizes=[1])
     assert len(p) == 0 and p.used == 0
+
+
+def test_a_repeated_prompt_does_not_grow_the_history() -> None:
+    p = LearnedReusePolicy(min_history=64)
+    p.bind(8)
+    prompt = list(range(10))
+    for i in range(5000):
+        p.on_request(prompt, 0, float(i), None)
+    chains, keys = p.history_chains
+    assert p.history_size == 10 and keys == 10 * chains <= 2 * p.history_limit + 10
 
 
 def test_sizes_count_against_capacity() -> None:

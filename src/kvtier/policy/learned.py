@@ -209,6 +209,7 @@ class LearnedReusePolicy(PolicyBase):
         # History and learning.
         self._hist: dict[int, _Rec] = {}
         self._records: deque[_Rec] = deque()
+        self._chained = 0  # keys in the remembered chains' lists
         self._wheel: list[deque[_Rec]] = [deque() for _ in range(_B - 1)]
         self._wake = float("inf")
         self._hits: list[list[float]] = [[0.0] * _B for _ in range(_CLASSES)]
@@ -272,9 +273,10 @@ class LearnedReusePolicy(PolicyBase):
             self._wake = wake
         self._risk[cls][0] += n
         self._records.append(rec)
+        self._chained += n
         self._ctx = rec
         self._since_decay += n
-        if len(hist) > self._hist_limit:
+        if len(hist) > self._hist_limit or self._chained > 2 * self._hist_limit:
             self._expire()
         if self._since_decay >= self._hist_limit:
             self._decay()
@@ -367,16 +369,21 @@ class LearnedReusePolicy(PolicyBase):
         self._wake = wake
 
     def _expire(self) -> None:
-        """Forget the oldest chains until the history fits (resident keys stay known)."""
+        """Forget the oldest chains until the history fits (resident keys stay known).
+
+        Both the keys remembered and the chains' key lists are bounded: a
+        workload that repeats one prompt adds no keys but a chain a request.
+        """
         hist = self._hist
         res = self._res
         records = self._records
         limit = self._hist_limit
-        while len(hist) > limit and records:
+        while (len(hist) > limit or self._chained > 2 * limit) and records:
             r = records.popleft()
             for key in r.keys:
                 if hist.get(key) is r and key not in res:
                     del hist[key]
+            self._chained -= len(r.keys)
             r.keys = []
             r.alive = 0
             r.hist = False
@@ -454,6 +461,7 @@ class LearnedReusePolicy(PolicyBase):
         if ctx is not None and ctx.live and ctx.hist:
             # Not named by the request (generated tokens): the chain grows.
             ctx.keys.append(key)
+            self._chained += 1
             ctx.alive += 1
             self._hist[key] = ctx
             self._risk[ctx.cls][ctx.bin] += 1
@@ -738,6 +746,11 @@ class LearnedReusePolicy(PolicyBase):
     @property
     def history_limit(self) -> int:
         return self._hist_limit
+
+    @property
+    def history_chains(self) -> tuple[int, int]:
+        """Chains (requests) remembered, and the keys their lists hold (at most twice the limit)."""
+        return len(self._records), self._chained
 
     @property
     def recency_order(self) -> bool:
