@@ -73,14 +73,13 @@ class LRUGuard:
         for k in sampled:
             if k in lru:
                 diff += 1
-                lru.move_to_end(k)
             else:
                 lru[k] = None
             if k in resident:
                 diff -= 1
-        # The chain's root was used last: with its children it outlives them.
-        for k in reversed(sampled):
-            lru.move_to_end(k)
+        # The chain's root is made the most recent: with its children it outlives them.
+        for i in range(len(sampled) - 1, -1, -1):
+            lru.move_to_end(sampled[i])
         while len(lru) > self.size:
             lru.popitem(last=False)
         self._diff += diff

@@ -46,6 +46,7 @@ tokens) join the current request's chain. Time only moves with ``now``.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping, Sequence
 from itertools import islice
@@ -80,10 +81,7 @@ def request_class(turn: int, new_blocks: int) -> int:
 
 def age_bin(age: float) -> int:
     """The age bin of ``age`` seconds."""
-    b = 0
-    while b + 1 < _B and age >= _EDGES[b + 1]:
-        b += 1
-    return b
+    return bisect_right(_EDGES, age) - 1 if age >= 0.0 else 0
 
 
 def hit_density(hazard: Sequence[float]) -> list[float]:
@@ -219,6 +217,9 @@ class LearnedReusePolicy(PolicyBase):
         self._value: list[list[float]] = [[0.0] * _B for _ in range(_CLASSES)]
         self._hazard: list[list[float]] = [[-1.0] * _B for _ in range(_CLASSES)]
         self._order: list[int] = []
+        #: Each cell's position in ``_order``, and a position no occupied cell is below.
+        self._rank: list[int] = list(range(_CLASSES * _B))
+        self._low = 0
         self._now = 0.0
         self._ctx: _Rec | None = None
         self._stale = 0
@@ -329,44 +330,60 @@ class LearnedReusePolicy(PolicyBase):
             stack.append(key)
         if stack:
             rec.res = len(stack)
-            cells[rec.cls * _B][rec] = None
+            idx = rec.cls * _B
+            cells[idx][rec] = None
+            if self._rank[idx] < self._low:
+                self._low = self._rank[idx]
             self._holding += 1
             rec.queued = True
             self._by_time.append(rec)
 
     # -- time --------------------------------------------------------------------------------
     def _advance(self, now: float) -> None:
-        """Move records whose age crossed a bin edge into the next bin."""
+        """Move records whose age crossed bin edges into the bin of their age.
+
+        Oldest bins first, so each bin's queue stays in time order: a record
+        that jumps several bins lands behind the older ones already there.
+        """
         wheel = self._wheel
         risk = self._risk
         cells = self._cells
+        rank = self._rank
+        low = self._low
         last = _B - 1
-        wake = float("inf")
-        for b in range(last):
+        for b in range(last - 1, -1, -1):
             q = wheel[b]
-            if not q:
-                continue
-            nb = b + 1
-            limit = now - _EDGES[nb]
+            limit = now - _EDGES[b + 1]
             while q and q[0].time <= limit:
                 r = q.popleft()
-                if r.res:
+                res = r.res
+                alive = r.alive
+                if not res and not alive:
+                    r.live = False
+                    continue
+                nb = age_bin(now - r.time)
+                if res:
                     base = r.cls * _B
                     del cells[base + b][r]
                     cells[base + nb][r] = None
-                elif not r.alive:
-                    r.live = False
-                    continue
-                if r.alive:
-                    risk[r.cls][nb] += r.alive
+                    if rank[base + nb] < low:
+                        low = rank[base + nb]
+                if alive:
+                    row = risk[r.cls]
+                    for x in range(b + 1, nb + 1):
+                        row[x] += alive
                 r.bin = nb
                 if nb < last:
                     wheel[nb].append(r)
+        wake = float("inf")
+        for b in range(last):
+            q = wheel[b]
             if q:
-                t = q[0].time + _EDGES[nb]
+                t = q[0].time + _EDGES[b + 1]
                 if t < wake:
                     wake = t
         self._wake = wake
+        self._low = low
 
     def _expire(self) -> None:
         """Forget the oldest chains until the history fits (resident keys stay known).
@@ -402,15 +419,27 @@ class LearnedReusePolicy(PolicyBase):
         tf = self._turn_factor
         nf = self._new_factor
         n_fit = _TURNS * _NEWS
+        factor = [tf[c // _NEWS] * nf[c % _NEWS] for c in range(n_fit)]
         base = [0.0] * _B
         for b in range(_B):
-            h = r = 0.0
+            h = 0.0
+            r = 0.0
             for c in range(n_fit):
                 h += hits[c][b]
-                r += risk[c][b] * tf[c // _NEWS] * nf[c % _NEWS]
+                r += risk[c][b] * factor[c]
             base[b] = h / r if r > 0.0 else 0.0
-        used = [sum(hits[c]) for c in range(n_fit)]
-        exposure = [sum(x * y for x, y in zip(risk[c], base, strict=True)) for c in range(n_fit)]
+        used = [0.0] * n_fit
+        exposure = [0.0] * n_fit
+        for c in range(n_fit):
+            hc = hits[c]
+            rc = risk[c]
+            u = 0.0
+            e = 0.0
+            for b in range(_B):
+                u += hc[b]
+                e += rc[b] * base[b]
+            used[c] = u
+            exposure[c] = e
         for t in range(_TURNS):
             row = [t * _NEWS + n for n in range(_NEWS)]
             tf[t] = _rate(row, used, exposure, [nf[c % _NEWS] for c in row])
@@ -428,28 +457,45 @@ class LearnedReusePolicy(PolicyBase):
         base = self._fit()
         pooled = [0.0] * _B
         for b in range(_B):
-            r = sum(row[b] for row in risk)
-            pooled[b] = sum(row[b] for row in hits) / r if r > 0.0 else 0.0
+            h = 0.0
+            r = 0.0
+            for c in range(_CLASSES):
+                h += hits[c][b]
+                r += risk[c][b]
+            pooled[b] = h / r if r > 0.0 else 0.0
         values = self._value
         tf = self._turn_factor
         nf = self._new_factor
         for c in range(_CLASSES):
-            if c < LOOSE:
-                f = tf[c // _NEWS] * nf[c % _NEWS]
-                prior = [min(1.0, x * f) for x in base]
-            else:
-                prior = pooled
-            hc, rc = hits[c], risk[c]
-            hazard = [min(1.0, (hc[b] + k * prior[b]) / (rc[b] + k)) for b in range(_B)]
+            f = tf[c // _NEWS] * nf[c % _NEWS] if c < LOOSE else 1.0
+            prior = base if c < LOOSE else pooled
+            hc = hits[c]
+            rc = risk[c]
             old = self._hazard[c]
+            hazard = [0.0] * _B
             # The table is the costly part: skip classes whose hazards barely moved.
-            if any(abs(x - y) > _RETABLE * y for x, y in zip(hazard, old, strict=True)):
+            moved = False
+            for b in range(_B):
+                x = min(1.0, (hc[b] + k * min(1.0, prior[b] * f)) / (rc[b] + k))
+                hazard[b] = x
+                y = old[b]
+                if abs(x - y) > _RETABLE * y:
+                    moved = True
+            if moved:
                 self._hazard[c] = hazard
                 values[c] = hit_density(hazard)
-        # Lowest value first; among equals the older bin first (least recently used).
-        flat = [(values[i // _B][i % _B], -(i % _B), i) for i in range(_CLASSES * _B)]
-        flat.sort()
-        self._order = [i for _, _, i in flat]
+        # Lowest value first; among equals the older bin first (least recently
+        # used): the bin's nudge is far below any value that is not zero.
+        n_cells = _CLASSES * _B
+        keys = [0.0] * n_cells
+        for i in range(n_cells):
+            keys[i] = values[i // _B][i % _B] - (i % _B) * 1e-300
+        order = sorted(range(n_cells), key=keys.__getitem__)
+        self._order = order
+        rank = self._rank
+        for pos in range(n_cells):
+            rank[order[pos]] = pos
+        self._low = 0
 
     # -- owners' transitions ------------------------------------------------------------
     def _record_for(self, key: int) -> _Rec | None:
@@ -483,7 +529,10 @@ class LearnedReusePolicy(PolicyBase):
 
     def _hold(self, r: _Rec) -> None:
         """``r`` got its first resident key."""
-        self._cells[r.cls * _B + r.bin][r] = None
+        idx = r.cls * _B + r.bin
+        self._cells[idx][r] = None
+        if self._rank[idx] < self._low:
+            self._low = self._rank[idx]
         self._holding += 1
         if not r.queued:
             r.queued = True
@@ -652,8 +701,16 @@ class LearnedReusePolicy(PolicyBase):
             self._evict_oldest(n, out)
             return out
         cells = self._cells
-        for idx in self._order:
-            bag = cells[idx]
+        order = self._order
+        # Cells below the mark are empty: start there, and move the mark up.
+        first = True
+        for pos in range(self._low, len(order)):
+            bag = cells[order[pos]]
+            if not bag:
+                if first:
+                    self._low = pos + 1
+                continue
+            first = False
             while bag:
                 r = next((x for x in bag if x.evictable), None)
                 if r is None:
