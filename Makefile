@@ -9,7 +9,8 @@ SMOLLM2_VERSION ?= 0.1.2
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --policy arc"
 SERVE_ARGS ?=
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
-COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py
+COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py \
+  src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
 .PHONY: serve run replay test test-compiled test-pure lint typecheck bench venv peers clean redis-server
 

@@ -1,9 +1,10 @@
 """Build hook: compile kvtier's hot-path modules with mypyc when possible.
 
-The block pool, the manager, block tables and the LRU and ARC policies run once per
-block of every request; compiled by mypyc (from the same typed source) they
-run about 1.5-2x faster. Set KVTIER_PURE_PYTHON=1 to skip compilation; a
-machine without a C compiler falls back to pure Python on its own.
+The block pool, the manager, block tables and the LRU, ARC and learned-reuse
+policies (with its guard) run once per block of every request; compiled by
+mypyc (from the same typed source) they run about 1.5-2x faster. Set
+KVTIER_PURE_PYTHON=1 to skip compilation; a machine without a C compiler falls
+back to pure Python on its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ COMPILED = [
     "src/kvtier/block_table.py",
     "src/kvtier/policy/lru.py",
     "src/kvtier/policy/arc.py",
+    "src/kvtier/policy/learned.py",
+    "src/kvtier/policy/guard.py",
 ]
 
 

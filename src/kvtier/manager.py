@@ -16,8 +16,9 @@ The manager is not thread-safe: one scheduler thread drives it.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -33,7 +34,7 @@ from kvtier.errors import (
     UnknownRequestError,
 )
 from kvtier.keys import BlockHasher, ExtraKey, Namespace
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, RequestHook, request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.pool import BlockPool
 from kvtier.pressure.ladder import ModeActions
@@ -181,7 +182,9 @@ class KVCacheManager:
     ``policy`` is a registered policy name (``"lru"``), an import path, or an
     :class:`EvictionPolicy` instance. ``namespace`` isolates keys per model,
     layout and tenant. ``high_watermark`` is the pool usage at which the
-    pressure callback hears about it (before blocks run out).
+    pressure callback hears about it (before blocks run out). ``clock`` (seconds,
+    ``time.monotonic`` by default) is what a request-aware policy's
+    ``on_request`` is told the time is; a replay injects the trace's.
     """
 
     def __init__(
@@ -194,11 +197,14 @@ class KVCacheManager:
         hash_algorithm: str = "xxh3_128",
         hash_secret: bytes | None = None,
         high_watermark: float = 0.95,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not 0.0 < high_watermark <= 1.0:
             raise ConfigError(f"high_watermark must be in (0, 1], got {high_watermark}")
         policy_obj = make_policy(policy) if isinstance(policy, str) else policy
         self.pool = BlockPool(num_blocks, block_size, policy_obj)
+        self.clock: Callable[[], float] = clock if clock is not None else time.monotonic
+        self._request_hook: RequestHook | None = request_hook(policy_obj)
         self.block_size = block_size
         self.hasher = BlockHasher(
             namespace or Namespace("default"), block_size, hash_algorithm, hash_secret
@@ -326,6 +332,7 @@ class KVCacheManager:
         *,
         extra_keys: Sequence[ExtraKey] = (),
         block_keys: Sequence[int] | None = None,
+        hints: Mapping[str, object] | None = None,
     ) -> Allocation:
         """Start a request: reuse its longest cached prefix and allocate the rest.
 
@@ -333,6 +340,7 @@ class KVCacheManager:
         block key. ``block_keys`` may carry keys the caller already computed with
         ``self.hasher.chain`` for the full blocks of ``token_ids`` (a scheduler
         hashes a request once, on arrival); only the partial tail is then read.
+        ``hints`` go to a request-aware policy's ``on_request`` with the keys.
         The last prompt token is never reported cached: the engine needs at
         least one token to compute logits from.
         """
@@ -371,6 +379,9 @@ class KVCacheManager:
         needed = -(-n // bs) - n_hit
         self._ensure_capacity(needed, pool.count_evictable(hits) if hits else 0)
 
+        hook = self._request_hook
+        if hook is not None:
+            hook(keys, n_hit, self.clock(), hints)
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
         table = BlockTable(bs, hits + new_blocks, n)

@@ -328,6 +328,12 @@ class TierChain:
         with self._lock:
             self._poll_locked()
             plan = self._lookup(keys)
+            for t, tier in enumerate(self.tiers):
+                # Each tier's policy hears of the request with what it holds of it.
+                n = 0
+                while n < len(plan) and plan[n] == t:
+                    n += 1
+                tier.manager.on_request(keys, n)
             if not plan:
                 return None
             batches = self._plan_batches(plan, keys, blocks)

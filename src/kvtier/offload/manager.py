@@ -16,7 +16,10 @@ the transfer engine move bytes between the slots it hands out. The protocol:
   returns ``None`` and **nothing has changed**;
 * ``complete_store(keys, success)``: make stored keys ready, or release the
   slots of a store that failed;
-* ``take_events()``: the stored / removed events since the last call.
+* ``take_events()``: the stored / removed events since the last call;
+* ``on_request(keys, num_hit)``: a request is about to use ``keys`` (the
+  first ``num_hit`` of them ready here); passed to a request-aware policy
+  with the manager's clock, ignored otherwise.
 
 Any policy of :mod:`kvtier.policy` decides evictions: ready keys are its
 resident keys; a key being loaded is pinned in it; pending keys are not in it
@@ -25,11 +28,12 @@ until their store completes, so they can never be chosen.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, request_hook
 from kvtier.policy.registry import make_policy
 
 
@@ -75,6 +79,7 @@ class OffloadingManager:
         *,
         medium: str = "host",
         enable_events: bool = True,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigError(f"a tier's capacity must be a positive integer, got {capacity!r}")
@@ -82,6 +87,8 @@ class OffloadingManager:
         self.medium = medium
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
         self.policy.bind(capacity)
+        self._request_hook = request_hook(self.policy)
+        self.clock: Callable[[], float] = clock if clock is not None else time.monotonic
         self._entries: dict[int, _Entry] = {}
         # Popping from the end hands out low slots first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -121,6 +128,17 @@ class OffloadingManager:
     def num_free(self) -> int:
         """Slots no key holds."""
         return len(self._free)
+
+    def on_request(
+        self,
+        keys: Sequence[int],
+        num_hit: int,
+        hints: Mapping[str, object] | None = None,
+    ) -> None:
+        """Tell a request-aware policy that a request is about to use ``keys`` here."""
+        hook = self._request_hook
+        if hook is not None:
+            hook(keys, num_hit, self.clock(), hints)
 
     # -- lookups and loads ---------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> int | None:

@@ -17,6 +17,7 @@ from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.fifo import FIFOPolicy
 from kvtier.policy.gdsf import GDSFPolicy
 from kvtier.policy.hybrid import HybridPolicy
+from kvtier.policy.learned import LearnedReusePolicy
 from kvtier.policy.lfu import LFUPolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.registry import available_policies, make_policy, register_policy
@@ -32,6 +33,7 @@ for _cls in (
     SIEVEPolicy,
     GDSFPolicy,
     HybridPolicy,
+    LearnedReusePolicy,
 ):
     register_policy(_cls.name, with_admission(_cls))
 del _cls
@@ -46,6 +48,7 @@ __all__ = [
     "HybridPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "LearnedReusePolicy",
     "PolicyBase",
     "S3FIFOPolicy",
     "SIEVEPolicy",

@@ -20,11 +20,11 @@ a second time is admitted whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from kvtier.errors import ConfigError
-from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.base import EvictionPolicy, PolicyBase, request_hook
 
 _M64 = (1 << 64) - 1
 _HALVE = bytes(i >> 1 for i in range(256))
@@ -182,6 +182,17 @@ class Admitted(PolicyBase):
         super().bind(capacity)
         self.policy.bind(capacity)
         self.admission.bind(capacity)
+
+    def on_request(
+        self,
+        keys: Sequence[int],
+        num_hit: int,
+        now: float,
+        hints: Mapping[str, object] | None = None,
+    ) -> None:
+        hook = request_hook(self.policy)
+        if hook is not None:
+            hook(keys, num_hit, now, hints)
 
     def admit(self, key: int) -> bool:
         # The filter sees every candidate, even one the policy itself declines.

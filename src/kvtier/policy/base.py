@@ -24,6 +24,15 @@ transitions only:
   return it, or ``None`` when every resident key is pinned; ``evict_many(n)``
   returns up to ``n`` victims in eviction order.
 
+* ``on_request(keys, num_hit, now, hints)`` (optional; :class:`PolicyBase`'s
+  is a no-op): a request is about to use the chain ``keys``, of which the
+  first ``num_hit`` are cached here; ``now`` is the owner's clock (injected,
+  so a replay is deterministic) and ``hints`` what the caller knows about the
+  request, or ``None``. Owners call it once per request, after every check
+  that could refuse the request and before its hits are pinned and its new
+  keys inserted; :func:`request_hook` returns ``None`` for policies that do
+  not override it, so owners skip the call.
+
 Pinned keys are held outside the candidate order, so skipping them costs
 nothing and ``evict`` never scans. Policies may keep history about keys that
 are no longer resident (ARC's ghost lists, LFU counts) but must bound it.
@@ -36,7 +45,7 @@ it can do better.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 from kvtier.errors import ConfigError
@@ -136,3 +145,24 @@ class PolicyBase:
     def access_many(self, keys: Sequence[int]) -> None:
         for key in keys:
             self.access(key)
+
+    def on_request(
+        self,
+        keys: Sequence[int],
+        num_hit: int,
+        now: float,
+        hints: Mapping[str, object] | None = None,
+    ) -> None:
+        """A request is about to use ``keys`` (see the module docs); ignored by default."""
+
+
+#: ``on_request``'s signature: ``(keys, num_hit, now, hints)``.
+RequestHook = Callable[[Sequence[int], int, float, Mapping[str, object] | None], None]
+
+
+def request_hook(policy: object) -> RequestHook | None:
+    """``policy.on_request`` when the policy does something with it, else ``None``."""
+    hook = getattr(policy, "on_request", None)
+    if not callable(hook) or getattr(type(policy), "on_request", None) is PolicyBase.on_request:
+        return None
+    return hook  # type: ignore[no-any-return]

@@ -180,8 +180,9 @@ def format_table(report: ReplayReport) -> str:
         model += f" (KVCacheManager, window {report.window})"
     else:
         model += " (every block access is a cache get)"
+    name_width = max([10, *(len(r.policy) for r in report.results)])
     cols = (
-        ("policy", "<", 10), ("capacity", ">", 10), ("% uniq", ">", 7),
+        ("policy", "<", name_width), ("capacity", ">", 10), ("% uniq", ">", 7),
         ("block hit", ">", 9), ("prefix hit", ">", 10), ("token hit", ">", 9),
         ("MIN", ">", 7), ("gap", ">", 7), ("evictions", ">", 10), ("ops/s", ">", 8),
     )

@@ -25,6 +25,11 @@ Hit ratios (each a total over the trace, not a mean of per-request ratios):
   blocks. For the manager this is ``num_cached_tokens // block_size`` over
   the prompt's full blocks;
 * token hit ratio: prompt tokens served from cache over prompt tokens.
+
+A request-aware policy (one that overrides ``on_request``) hears of each
+request with the trace's clock: the request's ``timestamp`` in seconds
+(Mooncake's milliseconds converted), or its index when the trace has none, so
+a replay is deterministic.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from typing import Literal
 
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.manager import Allocation, KVCacheManager
+from kvtier.policy.base import request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.replay.belady import belady_min
-from kvtier.replay.traces import Trace
+from kvtier.replay.traces import Trace, TraceRequest
 
 Model = Literal["prefix", "block"]
 MODELS: tuple[Model, ...] = ("prefix", "block")
@@ -86,6 +92,26 @@ class RunResult:
     def ops_per_s(self) -> float:
         """Block accesses replayed per second of the simulation loop."""
         return self.block_accesses / self.seconds if self.seconds > 0 else 0.0
+
+
+class TraceClock:
+    """The replay's clock: the time of the request being replayed, in seconds."""
+
+    def __init__(self, trace: Trace) -> None:
+        # Mooncake timestamps are milliseconds; token-level ones are taken as seconds.
+        self.scale = 0.001 if trace.format == "mooncake" else 1.0
+        self.now = 0.0
+
+    def advance(self, index: int, req: TraceRequest) -> float:
+        """Move to request number ``index``; never backwards."""
+        ts = req.timestamp
+        t = float(index) if ts is None else ts * self.scale
+        if t > self.now:
+            self.now = t
+        return self.now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def check_capacity(capacity: int) -> None:
@@ -173,6 +199,8 @@ def simulate_block(
     # only orders keys and picks victims.
     resident: set[int] = set()
     access, admit, insert, evict = policy.access, policy.admit, policy.insert, policy.evict
+    hook = request_hook(policy)
+    clock = TraceClock(trace)
     bs = trace.block_size
     hits = accesses = prefix_hits = cached_tokens = evictions = 0
     since_tick = 0
@@ -200,8 +228,15 @@ def simulate_block(
         return dropped
 
     start = time.perf_counter()
-    for req in trace.requests:
+    for rid, req in enumerate(trace.requests):
         keys = req.keys
+        if hook is not None:
+            n_hit = 0
+            for key in keys:
+                if key not in resident:
+                    break
+                n_hit += 1
+            hook(keys, n_hit, clock.advance(rid, req), None)
         lead = -1
         for j, key in enumerate(keys):
             if key in resident:
@@ -253,7 +288,8 @@ def simulate_prefix(
     if not isinstance(window, int) or window < 1:
         raise ConfigError(f"window must be a positive number of live requests, got {window!r}")
     bs = trace.block_size
-    manager = KVCacheManager(capacity, bs, policy=policy_name)
+    clock = TraceClock(trace)
+    manager = KVCacheManager(capacity, bs, policy=policy_name, clock=clock)
     pool = manager.pool
     cached_block = pool.cached_block
     result = RunResult(manager.stats().policy, "prefix", capacity)
@@ -269,6 +305,7 @@ def simulate_prefix(
 
     start = time.perf_counter()
     for rid, req in enumerate(trace.requests):
+        clock.advance(rid, req)
         n = req.input_length
         keys = req.full_keys(bs)
         n_keys = len(keys)

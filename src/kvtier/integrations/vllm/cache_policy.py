@@ -11,7 +11,8 @@ vLLM loads a policy class by name from a module path, constructing it with
 ``cache_capacity`` only, so the kvtier policy is fixed by the class:
 
 * one class per shipped policy: ``KvtierLRUCachePolicy``,
-  ``KvtierARCCachePolicy``, ``KvtierS3FIFOCachePolicy``, ...;
+  ``KvtierARCCachePolicy``, ``KvtierS3FIFOCachePolicy``, ...,
+  ``KvtierLearnedReuseCachePolicy``;
 * any registered policy (yours too) and admission by name:
   ``"kvtier:<policy>"`` or ``"kvtier:<policy>+<admission>"``, served by this
   module's ``__getattr__`` (``getattr(module, "kvtier:s3fifo+tinylfu")``).
@@ -475,6 +476,17 @@ class KvtierHybridCachePolicy(KvtierCachePolicy):
     kvtier_policy = "hybrid"
 
 
+class KvtierLearnedReuseCachePolicy(KvtierCachePolicy):
+    """kvtier's learned-reuse policy inside vLLM's CPU offloading manager.
+
+    vLLM's ``CachePolicy`` hears of no request before its chunks are stored,
+    so the policy gets no request classes here: it keeps every chunk in one
+    class and evicts the batch stored or used longest ago first.
+    """
+
+    kvtier_policy = "learned-reuse"
+
+
 _CLASSES: dict[str, type[KvtierCachePolicy]] = {
     cls.kvtier_policy: cls
     for cls in (
@@ -486,6 +498,7 @@ _CLASSES: dict[str, type[KvtierCachePolicy]] = {
         KvtierSIEVECachePolicy,
         KvtierGDSFCachePolicy,
         KvtierHybridCachePolicy,
+        KvtierLearnedReuseCachePolicy,
     )
 }
 
