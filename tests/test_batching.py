@@ -320,3 +320,22 @@ def test_a_request_loading_from_a_slow_tier_does_not_hold_up_the_others(
     assert engine.counters.loaded_prompt_tokens >= 36
     engine.manager.check()
     engine.close()
+
+
+def test_a_request_aware_policy_hears_of_the_whole_prompt_when_it_is_chunked(
+    model_tok: tuple[Any, Any],
+) -> None:
+    from kvtier.policy import LRUPolicy
+
+    heard: list[tuple[int, int]] = []
+
+    class Recording(LRUPolicy):
+        def on_request(self, keys: Any, num_hit: int, now: float, hints: Any = None) -> None:
+            heard.append((len(keys), num_hit))
+
+    engine = _engine(model_tok, max_num_seqs=2, max_num_batched_tokens=8, policy=Recording())
+    prompt = list(range(5, 5 + 30))  # 7 full blocks of 4, computed in chunks of 8
+    list(engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    assert heard == [(7, 0)]
+    list(engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    assert heard[-1] == (7, 7)

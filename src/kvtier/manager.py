@@ -333,6 +333,7 @@ class KVCacheManager:
         extra_keys: Sequence[ExtraKey] = (),
         block_keys: Sequence[int] | None = None,
         hints: Mapping[str, object] | None = None,
+        request_keys: Sequence[int] | None = None,
     ) -> Allocation:
         """Start a request: reuse its longest cached prefix and allocate the rest.
 
@@ -340,8 +341,10 @@ class KVCacheManager:
         block key. ``block_keys`` may carry keys the caller already computed with
         ``self.hasher.chain`` for the full blocks of ``token_ids`` (a scheduler
         hashes a request once, on arrival); only the partial tail is then read.
-        ``hints`` go to a request-aware policy's ``on_request`` with the keys.
-        The last prompt token is never reported cached: the engine needs at
+        ``hints`` go to a request-aware policy's ``on_request`` with the keys;
+        an engine that allocates a long prompt chunk by chunk passes the whole
+        prompt's keys as ``request_keys``, so the policy hears of the request
+        as it is, not of its first chunk. The last prompt token is never reported cached: the engine needs at
         least one token to compute logits from.
         """
         try:
@@ -381,7 +384,7 @@ class KVCacheManager:
 
         hook = self._request_hook
         if hook is not None:
-            hook(keys, n_hit, self.clock(), hints)
+            hook(keys if request_keys is None else request_keys, n_hit, self.clock(), hints)
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
         table = BlockTable(bs, hits + new_blocks, n)

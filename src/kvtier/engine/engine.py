@@ -576,7 +576,11 @@ class Engine:
             upto = max(upto, min(n, swapped.num_computed_tokens + 1))
         try:
             alloc = self.manager.allocate(
-                seq.seq_id, tokens[:upto], extra_keys=extra, block_keys=keys[: upto // bs]
+                seq.seq_id,
+                tokens[:upto],
+                extra_keys=extra,
+                block_keys=keys[: upto // bs],
+                request_keys=keys,
             )
         except OutOfBlocksError as exc:
             if self._running:
