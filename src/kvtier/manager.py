@@ -344,8 +344,9 @@ class KVCacheManager:
         ``hints`` go to a request-aware policy's ``on_request`` with the keys;
         an engine that allocates a long prompt chunk by chunk passes the whole
         prompt's keys as ``request_keys``, so the policy hears of the request
-        as it is, not of its first chunk. The last prompt token is never reported cached: the engine needs at
-        least one token to compute logits from.
+        as it is, not of its first chunk. The last prompt token is never
+        reported cached: the engine needs at least one token to compute logits
+        from.
         """
         try:
             live = request_id in self._requests
