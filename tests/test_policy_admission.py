@@ -103,10 +103,13 @@ def test_hits_count_toward_readmission() -> None:
 
 def test_sizes_reach_a_wrapped_sized_policy() -> None:
     p = Admitted(GDSFPolicy())
-    p.bind(4)
+    p.bind(16, typical_size=4)
+    assert p.key_capacity == 4 and p.admission.window == 8 * 4  # the sketch counts keys
     p.insert(1, size=1)
     p.insert_many([2], sizes=[8])
-    assert p.evict() == 2
+    assert p.used == 9 and p.size_of(2) == 8
+    assert p.evict_for(8) == [2] and p.used == 1
+    assert p.evict() == 1 and p.used == 0
 
 
 def test_pool_publishes_a_whole_chain_on_its_second_sight() -> None:

@@ -24,6 +24,7 @@ from kvtier.errors import (
     KvTierError,
     MonitorUnavailableError,
     OutOfBlocksError,
+    OversizeError,
     TierUnavailableError,
     UnknownRequestError,
 )
@@ -126,6 +127,7 @@ __all__ = [
     "LRUPolicy",
     "Namespace",
     "OutOfBlocksError",
+    "OversizeError",
     "PolicyBase",
     "PrefixIndex",
     "PressureEvent",

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, admit_chain
 from kvtier.policy.registry import make_policy
 
 
@@ -208,12 +208,8 @@ class OffloadingManager:
             elif e.ready and e.ref == 0:
                 held.append(key)
         if new:
-            # Every new key is shown to the filter, so it sees whole chains;
-            # a declined key ends what is stored: a block is useless below a
-            # missing parent.
-            admitted = [policy.admit(k) for k in new]
-            if not all(admitted):
-                cut = admitted.index(False)
+            cut = admit_chain(policy.admit, new)
+            if cut < len(new):
                 self.declined += len(new) - cut
                 new = new[:cut]
         need = len(new) - len(self._free)
@@ -337,6 +333,10 @@ class OffloadingManager:
         if len(policy) != len(ready):
             raise InternalInvariantError(
                 f"policy holds {len(policy)} keys but the tier has {len(ready)} ready ones"
+            )
+        if policy.used != len(ready):
+            raise InternalInvariantError(
+                f"policy counts {policy.used} used but the tier has {len(ready)} ready blocks"
             )
         evictable = 0
         for key, e in entries.items():
