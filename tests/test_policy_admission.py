@@ -112,6 +112,20 @@ def test_sizes_reach_a_wrapped_sized_policy() -> None:
     assert p.evict() == 1 and p.used == 0
 
 
+def test_abort_withdraws_the_blocks_published_before_a_decline() -> None:
+    """A chain cut by admission still records the blocks it published before the cut."""
+    m = KVCacheManager(6, 2, policy=make_policy("arc", admission="tinylfu"))
+    m.allocate("seen", [0, 0, 0])  # one full block: its key's first sighting, declined
+    m.free("seen")
+    m.allocate("a", [0, 0, 0, 0, 0])  # the first block is admitted, the second declined
+    assert m.stats().cached_blocks == 1
+    # The forward pass failed before computing anything: its published block goes.
+    assert m.abort("a", 0) == 1
+    assert m.stats().cached_blocks == 0
+    assert m.allocate("b", [0, 0, 0]).num_cached_tokens == 0, "a garbage block was hit"
+    m.check()
+
+
 def test_pool_publishes_a_whole_chain_on_its_second_sight() -> None:
     m = KVCacheManager(16, 4, policy=make_policy("lru", admission="tinylfu"))
     prompt = list(range(13))  # three full blocks and a tail
