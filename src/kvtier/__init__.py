@@ -34,7 +34,7 @@ from kvtier.integrations.errors import (
     MissingDependencyError,
     UnsupportedVllmError,
 )
-from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
+from kvtier.keys import HASH_ALGORITHMS, KEY_FORMAT_VERSION, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -88,6 +88,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "KEY_FORMAT_VERSION",
     "ARCPolicy",
     "AdmissionFilter",
     "Admitted",
