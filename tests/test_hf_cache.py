@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from needs import need_module
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = need_module("torch")
+transformers = need_module("transformers")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
