@@ -13,7 +13,8 @@ the transfer engine move bytes between the slots it hands out. The protocol:
 * ``prepare_store(keys)``: reserve slots for the keys not already held,
   evicting unpinned ready keys the policy picks (never one named in the same
   call, never one being loaded or stored). When room cannot be made it
-  returns ``None`` and **nothing has changed**;
+  returns ``None`` and **nothing has changed** (not even the policy's order;
+  an admission filter has still recorded the sighting of the keys);
 * ``complete_store(keys, success)``: make stored keys ready, or release the
   slots of a store that failed;
 * ``take_events()``: the stored / removed events since the last call.
@@ -192,7 +193,10 @@ class OffloadingManager:
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[int]) -> PrepareStoreOutput | None:
-        """Reserve slots for the keys not held yet; ``None``, changing nothing, if no room."""
+        """Reserve slots for the keys not held yet; ``None``, changing nothing, if no room.
+
+        A declined key (admission) ends what is stored: see :func:`admit_chain`.
+        """
         entries = self._entries
         policy = self.policy
         new: list[int] = []
@@ -215,13 +219,14 @@ class OffloadingManager:
         need = len(new) - len(self._free)
         victims: list[int] = []
         if need > 0:
+            # Checked before the policy is touched, so a refusal changes nothing.
+            if policy.num_evictable - len(held) < need:
+                self.store_rejections += 1
+                return None
             # Keys of this call that are already held must survive it: pinned
             # while victims are chosen (unpinning counts as a use for them).
             policy.pin_many(held)
             try:
-                if policy.num_evictable < need:
-                    self.store_rejections += 1
-                    return None
                 victims = policy.evict_many(need)
                 if len(victims) != need:
                     raise InternalInvariantError(
