@@ -183,7 +183,7 @@ def test_background_thread_samples_and_stops() -> None:
 
 
 class _HandshakeMonitor:
-    """Its first read blocks until the event loop answers: possible only off the loop."""
+    """Its first read waits for the event loop to answer: possible only off the loop."""
 
     name = "handshake"
 
@@ -197,9 +197,10 @@ class _HandshakeMonitor:
         self.threads.append(threading.current_thread())
         if len(self.threads) == 1:
             self.loop.call_soon_threadsafe(self.reading.set)
-            # A read on the loop's own thread would wait here for ever (pytest's
-            # timeout ends it); in a worker thread the loop is free to answer.
-            self.answered.wait()
+            # In a worker thread the loop is free to answer at once. On the loop's
+            # own thread nothing can answer: the wait runs out, the reading lands
+            # before the loop looks, and the test's checks fail.
+            self.answered.wait(30.0)
         return MemoryReading(81, 100, self.name)
 
     def close(self) -> None:
