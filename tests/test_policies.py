@@ -495,3 +495,18 @@ class S3FIFOManagerMachine(ManagerMachine):
 
 TestS3FIFOManagerMachine = S3FIFOManagerMachine.TestCase
 TestS3FIFOManagerMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+# The manager machine once more under every other shipped policy: its rollback
+# check compares each policy's whole snapshot (ghosts, counts, heaps) after every
+# failed call, not only an LRU order.
+for _name in sorted(set(available_policies()) - {"lru", "s3fifo"}):
+    _managed: Any = type(
+        f"ManagerMachine_{_name}",
+        (ManagerMachine,),
+        {"policy_factory": staticmethod(lambda name=_name: name)},
+    )
+    _case = _managed.TestCase
+    _case.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    globals()[f"TestManagerMachine_{_name}"] = _case
+del _name, _managed, _case
