@@ -53,7 +53,8 @@ class InsertionOrderPolicy(PolicyBase):
         return {**self._state(), "order": list(self.order.items()), "evictable": self._evictable}
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        self._record_size(key, size)
+        if size != 1:
+            self._record_size(key, size)
         self.order[key] = pinned
         self._evictable += not pinned
 

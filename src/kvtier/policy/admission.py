@@ -189,7 +189,7 @@ class Admitted(PolicyBase):
     def __init__(
         self, policy: EvictionPolicy, admission: str | AdmissionFilter = "tinylfu"
     ) -> None:
-        # No PolicyBase.__init__: the sizes and ``used`` live in the wrapped policy.
+        # No PolicyBase.__init__: the sizes live in the wrapped policy.
         self.capacity = 0
         self.key_capacity = 0
         self.policy = policy
@@ -201,10 +201,6 @@ class Admitted(PolicyBase):
     @property
     def used(self) -> int:
         return self.policy.used
-
-    @used.setter
-    def used(self, value: int) -> None:
-        raise AttributeError("an admitted policy's used is its wrapped policy's")
 
     @property
     def pinned_used(self) -> int:

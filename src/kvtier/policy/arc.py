@@ -41,13 +41,11 @@ class ARCPolicy(PolicyBase):
 
     def __init__(self) -> None:
         # Assigned here, not by PolicyBase.__init__: mypyc compiles this class
-        # and needs every attribute it touches declared in it. (For the same
-        # reason ``used`` is updated as ``used = used + n``: mypyc 1.x fails on
-        # ``+=`` to an attribute declared on the interpreted base.)
+        # and needs every attribute it touches declared in it.
         self.capacity = 0
         self.key_capacity = 0
-        self.used = 0
         self._sizes: dict[int, int] = {}
+        self._size_extra = 0
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[int, None] = OrderedDict()
@@ -99,9 +97,7 @@ class ARCPolicy(PolicyBase):
 
     # -- transitions -------------------------------------------------------------
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size == 1:
-            self.used = self.used + 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         c = self._c()
         b1, b2 = self._b1, self._b2
@@ -166,7 +162,8 @@ class ARCPolicy(PolicyBase):
             self._t1_pinned -= not self._pinned.pop(key)
         else:
             return
-        self.used = self.used - (self._sizes.pop(key, 1) if self._sizes else 1)
+        if self._sizes:
+            self._forget_size(key)
         # T1 shrank, which never breaks a ghost bound; nothing to trim.
 
     def evict(self) -> int | None:
@@ -184,7 +181,8 @@ class ARCPolicy(PolicyBase):
         else:
             key = t2.popitem(last=False)[0]
             self._b2[key] = None
-        self.used = self.used - (self._sizes.pop(key, 1) if self._sizes else 1)
+        if self._sizes:
+            self._forget_size(key)
         self._trim_ghosts()
         return key
 

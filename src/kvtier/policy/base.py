@@ -37,9 +37,10 @@ transitions only:
 ``used`` (the sum of resident sizes) never exceeds ``capacity`` as long as the
 owner makes room before it inserts: with ``evict_for`` for items of any size,
 or, where every item has size 1 (the device pool, a tier of block slots), with
-``evict_many`` counted in keys, which costs nothing extra. Keys of size 1 keep
-no size entry, so the block-budget hot path does exactly what it did before
-sizes existed.
+``evict_many`` counted in keys, which costs nothing extra. ``used`` is derived,
+not counted: the number of resident keys plus what sizes above 1 add. Keys of
+size 1 keep no size entry and touch no counter, so the block-budget hot path
+pays one comparison per insert and one emptiness test per eviction.
 
 Pinned keys are held outside the candidate order, so skipping them costs
 nothing and ``evict`` never scans. Policies may keep history about keys that
@@ -138,11 +139,12 @@ def _is_count(value: object) -> bool:
 class PolicyBase:
     """Defaults shared by the shipped policies: admit everything; batch via singles; sizes.
 
-    Size bookkeeping: ``used`` is the sum of resident sizes, and ``_sizes``
-    holds the size of each resident key whose size is not 1 (absent: 1). A
-    subclass adds to ``used`` on insert and subtracts on evict and remove (see
-    :meth:`_record_size` and :meth:`_forget_size`), and lists its pinned keys
-    in :meth:`_pinned_keys`.
+    Size bookkeeping: ``_sizes`` holds the size of each resident key whose
+    size is not 1 (absent: 1) and ``_size_extra`` what those sizes add above
+    one unit per key, so ``used = len(self) + _size_extra``. A subclass calls
+    :meth:`_record_size` on inserting a key whose size is not 1 and, while
+    ``_sizes`` is not empty, :meth:`_forget_size` for each key that leaves
+    (evicted or removed); it lists its pinned keys in :meth:`_pinned_keys`.
     """
 
     name: ClassVar[str] = "base"
@@ -150,14 +152,17 @@ class PolicyBase:
     capacity: int = 0
     #: About how many keys the level holds (``capacity // typical_size``).
     key_capacity: int = 0
-    #: Sum of the sizes of the resident keys.
-    used: int = 0
 
     def __init__(self) -> None:
         self.capacity = 0
         self.key_capacity = 0
-        self.used = 0
         self._sizes: dict[int, int] = {}
+        self._size_extra = 0
+
+    @property
+    def used(self) -> int:
+        """Sum of the sizes of the resident keys."""
+        return len(self) + self._size_extra
 
     def bind(self, capacity: int, typical_size: int = 1) -> None:
         if not _is_count(capacity) or capacity <= 0:
@@ -185,11 +190,11 @@ class PolicyBase:
         return self._sizes.get(key, 1)
 
     def _record_size(self, key: int, size: int) -> None:
-        """Account for a new resident key (any size; checked first)."""
+        """Account for a new resident key of any size (checked first; 1 needs nothing)."""
         if size != 1:
             self.check_size(size)
             self._sizes[key] = size
-        self.used += size
+            self._size_extra += size - 1
 
     def _check_sizes(self, keys: Sequence[int], sizes: Sequence[int]) -> None:
         """Raise unless ``sizes`` has one acceptable size per key."""
@@ -203,18 +208,17 @@ class PolicyBase:
     def _record_sizes(self, keys: Sequence[int], sizes: Sequence[int] | None) -> None:
         """:meth:`_record_size` for a batch; checks every size before recording any."""
         if sizes is None:
-            self.used += len(keys)
             return
         self._check_sizes(keys, sizes)
         record = self._sizes
         for key, size in zip(keys, sizes, strict=True):
             if size != 1:
                 record[key] = size
-        self.used += sum(sizes)
+                self._size_extra += size - 1
 
     def _forget_size(self, key: int) -> None:
         """Account for a resident key that left (evicted or removed)."""
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        self._size_extra -= self._sizes.pop(key, 1) - 1
 
     def _pinned_keys(self) -> Iterable[int]:
         raise NotImplementedError
@@ -229,7 +233,7 @@ class PolicyBase:
         sizes = self._sizes
         if not sizes or not n_pinned:
             return n_pinned
-        return sum(sizes.get(k, 1) for k in self._pinned_keys())
+        return n_pinned + sum(sizes.get(k, 1) - 1 for k in self._pinned_keys())
 
     def evict_for(self, size: int) -> list[int] | None:
         """Evict until an item of ``size`` fits: ``used + size <= capacity``.

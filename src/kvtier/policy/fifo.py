@@ -51,9 +51,7 @@ class FIFOPolicy(PolicyBase):
         }
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size == 1:
-            self.used += 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         seq = self._next
         self._next = seq + 1
@@ -66,7 +64,8 @@ class FIFOPolicy(PolicyBase):
     def insert_many(
         self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
     ) -> None:
-        self._record_sizes(keys, sizes)
+        if sizes is not None:
+            self._record_sizes(keys, sizes)
         start = self._next
         self._next = start + len(keys)
         numbered = dict(zip(keys, range(start, self._next), strict=True))
@@ -101,7 +100,8 @@ class FIFOPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if self._seq.pop(key, None) is not None:
             self._pinned.discard(key)
-            self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+            if self._sizes:
+                self._forget_size(key)
             self._maybe_compact()
 
     def evict(self) -> int | None:
@@ -112,7 +112,8 @@ class FIFOPolicy(PolicyBase):
             s, key = heapq.heappop(heap)
             if seq.get(key) == s and key not in pinned:
                 del seq[key]
-                self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+                if self._sizes:
+                    self._forget_size(key)
                 return key
         return None
 

@@ -60,7 +60,8 @@ class GDSFPolicy(HeapPolicy):
     # -- transitions -------------------------------------------------------------
     def insert(self, key: int, pinned: bool = False, size: int = 1, *, cost: float = 1.0) -> None:
         _check_cost(cost)
-        self._record_size(key, size)
+        if size != 1:
+            self._record_size(key, size)
         self._freq[key] = 1
         self._cost[key] = cost
         self._admit_resident(key, pinned)

@@ -42,7 +42,8 @@ class HeapPolicy(PolicyBase):
     def _forget(self, key: int) -> None:
         """Drop a key's metadata (it is no longer resident)."""
         del self._freq[key]
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        if self._sizes:
+            self._forget_size(key)
 
     def _pinned_keys(self) -> Iterable[int]:
         return self._pinned

@@ -132,7 +132,8 @@ class HybridPolicy(HeapPolicy):
 
     # -- transitions -------------------------------------------------------------
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        self._record_size(key, size)
+        if size != 1:
+            self._record_size(key, size)
         self._freq[key] = 1
         self._touch(key)
         if size > self._size_scale:

@@ -94,9 +94,7 @@ class LFUPolicy(PolicyBase):
 
     # -- transitions -------------------------------------------------------------
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size == 1:
-            self.used += 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         c = self._history.pop(key, 0) + 1
         self._count[key] = c
@@ -140,7 +138,8 @@ class LFUPolicy(PolicyBase):
             self._pinned.remove(key)
         else:
             self._take(key, c)
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        if self._sizes:
+            self._forget_size(key)
         self._remember(key, c)
 
     def evict(self) -> int | None:
@@ -154,7 +153,8 @@ class LFUPolicy(PolicyBase):
                 if not bucket:
                     del buckets[c]
                 del self._count[key]
-                self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+                if self._sizes:
+                    self._forget_size(key)
                 self._remember(key, c)
                 return key
             heapq.heappop(counts)

@@ -22,17 +22,15 @@ class LRUPolicy(PolicyBase):
 
     name: ClassVar[str] = "lru"
 
-    __slots__ = ("_order", "_pinned", "_sizes", "capacity", "key_capacity", "used")
+    __slots__ = ("_order", "_pinned", "_size_extra", "_sizes", "capacity", "key_capacity")
 
     def __init__(self) -> None:
         # Assigned here, not by PolicyBase.__init__: mypyc compiles this class
-        # and needs every attribute it touches declared in it. (For the same
-        # reason ``used`` is updated as ``used = used + n``: mypyc 1.x fails on
-        # ``+=`` to an attribute declared on the interpreted base.)
+        # and needs every attribute it touches declared in it.
         self.capacity = 0
         self.key_capacity = 0
-        self.used = 0
         self._sizes: dict[int, int] = {}
+        self._size_extra = 0
         self._order: OrderedDict[int, None] = OrderedDict()
         self._pinned: set[int] = set()
 
@@ -45,9 +43,7 @@ class LRUPolicy(PolicyBase):
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
         # The owner guarantees a key is inserted once (its index deduplicates);
         # check() verifies it, the hot path does not.
-        if size == 1:
-            self.used = self.used + 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         if pinned:
             self._pinned.add(key)
@@ -81,9 +77,7 @@ class LRUPolicy(PolicyBase):
     def insert_many(
         self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
     ) -> None:
-        if sizes is None:
-            self.used = self.used + len(keys)
-        else:
+        if sizes is not None:
             self._record_sizes(keys, sizes)
         if pinned:
             self._pinned.update(keys)
@@ -113,23 +107,23 @@ class LRUPolicy(PolicyBase):
             self._pinned.remove(key)
         else:
             return
-        self.used = self.used - (self._sizes.pop(key, 1) if self._sizes else 1)
+        if self._sizes:
+            self._forget_size(key)
 
     def evict(self) -> int | None:
         if not self._order:
             return None
         key = self._order.popitem(last=False)[0]
-        self.used = self.used - (self._sizes.pop(key, 1) if self._sizes else 1)
+        if self._sizes:
+            self._forget_size(key)
         return key
 
     def evict_many(self, n: int) -> list[int]:
         popitem = self._order.popitem
         victims = [popitem(False)[0] for _ in range(min(n, len(self._order)))]
-        sizes = self._sizes
-        if sizes:
-            self.used = self.used - sum([sizes.pop(k, 1) for k in victims])
-        else:
-            self.used = self.used - len(victims)
+        if self._sizes:
+            for key in victims:
+                self._forget_size(key)
         return victims
 
     def __len__(self) -> int:

@@ -73,9 +73,7 @@ class S3FIFOPolicy(PolicyBase):
         }
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size == 1:
-            self.used += 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         in_main = key in self._ghost
         if in_main:
@@ -117,7 +115,8 @@ class S3FIFOPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if self._freq.pop(key, None) is None:
             return
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        if self._sizes:
+            self._forget_size(key)
         if key in self._small:
             del self._small[key]
         elif key in self._main:
@@ -145,7 +144,8 @@ class S3FIFOPolicy(PolicyBase):
                 main[key] = None
                 continue
             del freq[key]
-            self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+            if self._sizes:
+                self._forget_size(key)
             ghost = self._ghost
             ghost[key] = None
             if len(ghost) > (self.key_capacity or len(self) + 1):
@@ -164,7 +164,8 @@ class S3FIFOPolicy(PolicyBase):
                 main[key] = None
                 continue
             del freq[key]
-            self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+            if self._sizes:
+                self._forget_size(key)
             return key
         return None
 

@@ -59,9 +59,7 @@ class SIEVEPolicy(PolicyBase):
         }
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size == 1:
-            self.used += 1
-        else:
+        if size != 1:
             self._record_size(key, size)
         if pinned:
             self._pinned[key] = False
@@ -99,7 +97,8 @@ class SIEVEPolicy(PolicyBase):
             del self._behind[key]
         elif self._pinned.pop(key, None) is None:
             return
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        if self._sizes:
+            self._forget_size(key)
 
     def evict(self) -> int | None:
         # Terminates: a full sweep clears every bit.
@@ -110,7 +109,8 @@ class SIEVEPolicy(PolicyBase):
                 self._wrap()
                 continue
             self._wrap()
-            self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+            if self._sizes:
+                self._forget_size(key)
             return key
         return None
 
