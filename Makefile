@@ -58,12 +58,14 @@ redis-server:
 	  $$SUDO apt-get install -y redis-server || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
 
+# KVTIER_REQUIRE_ALL=1: a missing dependency (vLLM, redis-server, the model)
+# fails the run instead of skipping its tests (see tests/needs.py).
 test-compiled: venv
-	$(BIN)/python -m pytest -q
+	KVTIER_REQUIRE_ALL=1 $(BIN)/python -m pytest -q
 
-# The real-model end-to-end test (marked slow) runs once, in the compiled pass.
+# The real-model end-to-end tests (marked slow) run once, in the compiled pass.
 test-pure: venv
-	KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
+	KVTIER_REQUIRE_ALL=1 KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check src tests bench setup.py

@@ -1,8 +1,13 @@
-"""Test-session guards and the pure-Python switch.
+"""Test-session guards, the pure-Python switch and the no-skip rule of CI.
 
 With ``KVTIER_PURE_PYTHON=1`` the tests import kvtier's ``.py`` sources even
 where mypyc-compiled modules are installed, so one environment tests both
 the compiled hot paths and the pure-Python fallback.
+
+With ``KVTIER_REQUIRE_ALL=1`` (``make test``, i.e. CI) every skip fails the
+run, except those :func:`needs.need_hardware` raises for hardware CI lacks:
+a dependency guard that skips (``needs.py``'s or a stray ``importorskip``)
+cannot let a broken install pass.
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from needs import HARDWARE_SKIP, REQUIRE_ALL
 
 
 class _SourceOnlyFinder(importlib.machinery.PathFinder):
@@ -70,3 +76,41 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     compiled = str(kvtier.pool.__file__).endswith(".so")
     return f"kvtier hot paths: {'compiled (mypyc)' if compiled else 'pure Python'}"
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+
+
+def _refuse_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Under KVTIER_REQUIRE_ALL=1, turn a skip that is not for missing hardware into a failure."""
+    if not (REQUIRE_ALL and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if HARDWARE_SKIP in reason:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{reason}\nKVTIER_REQUIRE_ALL=1 (make test, CI) allows no skip but missing hardware: "
+        "install what is missing (make venv, make redis-server), or guard the test with "
+        "needs.need_hardware if CI can never have it"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _refuse_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    _refuse_skip(report)
+    return report

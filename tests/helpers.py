@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kvtier import KVCacheManager, PolicyBase
 
 
 def snapshot(m: KVCacheManager) -> dict[str, Any]:
-    """Everything observable about a manager's bookkeeping, as plain data."""
+    """Everything observable about a manager's bookkeeping, as plain data.
+
+    The policy's part is its own :meth:`~kvtier.PolicyBase.snapshot`: every
+    list, ghost, count and admission sketch, whatever the policy.
+    """
     pool = m.pool
-    policy: Any = pool.policy
     return {
         "ref": list(pool.ref),
         "keys": list(pool.block_key),
@@ -19,7 +23,8 @@ def snapshot(m: KVCacheManager) -> dict[str, Any]:
         "cached": dict(pool._cached),
         "parent": list(pool.parent),
         "children": [pool.children_of(b) for b in range(pool.num_blocks)],
-        "policy": (list(getattr(policy, "_order", [])), set(getattr(policy, "_pinned", set()))),
+        "declined": pool.declined,
+        "policy": pool.policy.snapshot(),
         "requests": {
             rid: (
                 list(r.table.blocks), r.table.num_tokens, list(r.tail), list(r.keys),
@@ -37,10 +42,19 @@ class InsertionOrderPolicy(PolicyBase):
     name = "test-insertion-order"
 
     def __init__(self) -> None:
+        super().__init__()
         self.order: dict[int, bool] = {}  # key -> pinned, in insertion order
         self._evictable = 0
 
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def _pinned_keys(self) -> Iterable[int]:
+        return [k for k, pinned in self.order.items() if pinned]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self._state(), "order": list(self.order.items()), "evictable": self._evictable}
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         self.order[key] = pinned
         self._evictable += not pinned
 
@@ -61,12 +75,14 @@ class InsertionOrderPolicy(PolicyBase):
         pinned = self.order.pop(key, None)
         if pinned is not None:
             self._evictable -= not pinned
+            self._forget_size(key)
 
     def evict(self) -> int | None:
         for key, pinned in self.order.items():  # a scan is fine for a test policy
             if not pinned:
                 del self.order[key]
                 self._evictable -= 1
+                self._forget_size(key)
                 return key
         return None
 

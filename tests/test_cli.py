@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+from kvtier import HASH_ALGORITHMS, available_policies
 from kvtier.cli import main
 
 
@@ -20,8 +22,12 @@ def test_info_text(capsys: pytest.CaptureFixture[str]) -> None:
 def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["policies"] == ["lru"] or "lru" in info["policies"]
-    assert info["optional_packages"]["torch"] in (True, False)
+    assert info["policies"] == available_policies()
+    assert info["hash_algorithms"] == list(HASH_ALGORITHMS)
+    packages = info["optional_packages"]
+    assert set(packages) >= {"torch", "transformers", "fastapi", "redis", "vllm"}
+    for name, present in packages.items():
+        assert present is (importlib.util.find_spec(name) is not None), name
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from needs import need_module
 
-torch = pytest.importorskip("torch")
-tokenizers = pytest.importorskip("tokenizers")
+torch = need_module("torch")
+tokenizers = need_module("tokenizers")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from needs import need_default_model
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+need_default_model()
 
-from kvtier.engine import DEFAULT_MODEL_ID, Engine, SamplingParams, default_model_file
+from kvtier.engine import DEFAULT_MODEL_ID, Engine, SamplingParams, default_model_file  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    # The model ships with the test dependencies; a missing file is a failure, not a skip.
+    # The bundled GGUF (need_default_model: a skip locally, a failure in CI when absent).
     assert default_model_file().suffix == ".gguf"
     return Engine.from_pretrained(block_size=16, kv_cache_bytes=64 * 2**20)
 

@@ -8,6 +8,10 @@ was evicted and reused, or a copy that was not reported all show up as wrong
 contents. After every step the full invariant check runs too: no block both
 free and referenced, ref counts equal to the number of holders, capacity,
 the policy agreeing with the pool, no orphaned child in a prefix chain.
+
+Every example first draws its own pool (1 to 10 blocks of 1 to 4 tokens),
+so small pools that evict on every call and larger ones that mostly hit are
+both covered.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ from typing import Any
 from helpers import InsertionOrderPolicy, snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
 
 from kvtier import KVCacheManager, OutOfBlocksError
 
@@ -31,7 +42,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m: KVCacheManager | None = None
         self.memory: dict[int, int] = {}
         self.expected: dict[int, list[int]] = {}
         self.next_id = 0
@@ -39,14 +49,11 @@ class ManagerMachine(RuleBasedStateMachine):
         #: pass an engine would run next, which ``abort`` makes fail.
         self.last_pass: tuple[int, int, int] | None = None
 
-    @rule(num_blocks=st.integers(1, 10), block_size=st.sampled_from([1, 2, 3, 4]))
+    @initialize(num_blocks=st.integers(1, 10), block_size=st.sampled_from([1, 2, 3, 4]))
     def configure(self, num_blocks: int, block_size: int) -> None:
-        if self.m is None:
-            self.m = KVCacheManager(num_blocks, block_size, policy=self.policy_factory())
+        self.m = KVCacheManager(num_blocks, block_size, policy=self.policy_factory())
 
     def _manager(self) -> KVCacheManager:
-        if self.m is None:
-            self.m = KVCacheManager(6, 2, policy=self.policy_factory())
         return self.m
 
     def _write(self, rid: int, start: int) -> None:
@@ -160,8 +167,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_and_bookkeeping(self) -> None:
-        if self.m is None:
-            return
         m = self.m
         m.check()
         pool = m.pool
@@ -174,7 +179,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert got == toks, f"request {rid} reads back wrong KV"
 
     def teardown(self) -> None:
-        if self.m is not None:
+        if hasattr(self, "m"):  # absent only if drawing the configuration failed
             self.free_everything()
             self.m.check()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +18,16 @@ from hypothesis.stateful import (
 from kvtier import BadRequestError, ConfigError
 from kvtier.offload import OffloadingManager
 from kvtier.policy import available_policies, make_policy
+
+
+def state(m: OffloadingManager) -> dict[str, Any]:
+    """Everything the manager keeps, its policy's whole state included, as plain data."""
+    return {
+        "entries": sorted((k, e.slot, e.ready, e.ref) for k, e in m._entries.items()),
+        "free": list(m._free),
+        "policy": m.policy.snapshot(),
+        "counters": (m.stores, m.failed_stores, m.evictions, m.declined),
+    }
 
 
 def stored(m: OffloadingManager, keys: list[int]) -> None:
@@ -99,6 +111,17 @@ def test_pending_stores_are_never_evicted() -> None:
     m.check()
 
 
+def test_a_refused_store_leaves_the_policy_order_alone() -> None:
+    m = OffloadingManager(2, "lru")
+    stored(m, [1])
+    stored(m, [2])  # LRU order: 1, then 2
+    before = state(m)
+    assert m.prepare_store([1, 3, 4]) is None  # two new keys, and 1 must stay
+    assert state(m) == before, "the refusal must not count as a use of key 1"
+    out = m.prepare_store([5])
+    assert out is not None and out.evicted_keys == [1]
+
+
 def test_failed_store_frees_its_slots() -> None:
     m = OffloadingManager(2, "lru")
     out = m.prepare_store([1, 2])
@@ -110,10 +133,19 @@ def test_failed_store_frees_its_slots() -> None:
     m.check()
 
 
-def test_touch_ignores_unknown_and_pending_keys() -> None:
-    m = OffloadingManager(2, "lru")
+@pytest.mark.parametrize("policy", available_policies())
+def test_touch_ignores_unknown_and_pending_keys(policy: str) -> None:
+    m = OffloadingManager(3, policy)
+    stored(m, [5])
     m.prepare_store([1])
+    before = state(m)
     m.touch([1, 99])  # neither is ready: no KeyError, nothing changes
+    assert state(m) == before
+    m.touch([5, 1])  # the ready key is a use; only the policy's state may move
+    after = state(m)
+    assert {k: v for k, v in after.items() if k != "policy"} == {
+        k: v for k, v in before.items() if k != "policy"
+    }
     m.check()
 
 
@@ -187,20 +219,28 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(st.integers(0, 12), min_size=1, max_size=5))
     def prepare_store(self, keys: list[int]) -> None:
-        before = (set(self.m.ready_keys()), self.m.num_free, len(self.m))
+        before = state(self.m)
         pinned = {k for k, n in self.loads.items() if n} | self.pending
+        new = list(dict.fromkeys(k for k in keys if k not in self.ready | self.pending))
+        free = self.capacity - len(self.ready) - len(self.pending)
+        evictable = self.ready - pinned - set(keys)
         out = self.m.prepare_store(keys)
         if out is None:
-            assert (set(self.m.ready_keys()), self.m.num_free, len(self.m)) == before
+            assert len(new) - free > len(evictable), "room could have been made"
+            after = state(self.m)
+            assert after.pop("policy") == before.pop("policy"), "a refused store moved the policy"
+            assert after == before, "a refused store changed the bookkeeping"
             return
+        # No admission filter here: every new key is stored, in call order.
+        assert out.keys_to_store == new
+        assert len(out.evicted_keys) == max(0, len(new) - free)
+        assert len(out.slots) == len(set(out.slots)) == len(new)
         for k in out.evicted_keys:
             assert k not in pinned, "a pinned or pending key was evicted"
             assert k not in keys, "a key of the same call was evicted"
             assert k in self.ready
             self.ready.discard(k)
-        for k in out.keys_to_store:
-            assert k not in self.ready and k not in self.pending
-            self.pending.add(k)
+        self.pending.update(out.keys_to_store)
         assert len(self.ready) + len(self.pending) <= self.capacity
 
     @precondition(lambda self: bool(self.pending))
@@ -247,10 +287,12 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(st.integers(0, 12), max_size=4))
     def remove(self, keys: list[int]) -> None:
-        dropped = self.m.remove(keys)
-        for k in dropped:
-            assert k in self.ready and not self.loads.get(k)
-            self.ready.discard(k)
+        # Ready keys no load pins are dropped (once each); the others are ignored.
+        expected = [
+            k for k in dict.fromkeys(keys) if k in self.ready and not self.loads.get(k)
+        ]
+        assert self.m.remove(keys) == expected
+        self.ready.difference_update(expected)
 
     @invariant()
     def consistent(self) -> None:

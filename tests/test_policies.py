@@ -1,16 +1,21 @@
 """Every registered policy against the owner's contract, alone and under the manager.
 
-A state machine plays the owner of a cache level with capacity ``C``: it
-inserts only when there is room (evicting first), pins, unpins, hits,
-removes and evicts at random, and checks after each step that the policy
-agrees with a plain model of resident and pinned keys and never hands out a
-key it must not. Then each policy runs a random manager workload with shared
-prefixes and the full pool check after every step.
+A state machine plays the owner of a cache level: it draws the level's
+capacity and whether items have sizes (one unit each, like device blocks,
+or random sizes against a budget, like bytes), makes room with
+``evict_for`` before every insert, pins, unpins, hits, removes and evicts at
+random, and checks after each step that the policy agrees with a plain model
+of resident and pinned keys and their sizes: ``used`` never exceeds the
+capacity, a pinned key is never a victim, an item larger than the capacity
+is refused at once and changes nothing. Then each policy runs a random
+manager workload with shared prefixes and the full pool check after every
+step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -18,25 +23,27 @@ from typing import Any, ClassVar
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_manager_stateful import ManagerMachine
 
 from kvtier import (
+    ConfigError,
     EvictionPolicy,
     InternalInvariantError,
     KVCacheManager,
     OutOfBlocksError,
+    OversizeError,
     make_policy,
 )
 from kvtier.policy import (
     Admitted,
     ARCPolicy,
     S3FIFOPolicy,
+    admit_chain,
     available_policies,
 )
 
 C = 6
-SIZED = {"gdsf", "hybrid"}
 VARIANTS = [(name, None) for name in available_policies()] + [
     ("lru", "tinylfu"),
     ("arc", "tinylfu"),
@@ -48,16 +55,17 @@ def _bare(p: Any) -> Any:
 
 
 def _check_arc(p: ARCPolicy) -> None:
+    c = p.key_capacity
     t1, t2, b1, b2 = p.sizes
     assert t1 + t2 == len(p)
-    assert t1 + b1 <= C and b1 + b2 <= C, "ARC's ghost lists are bounded"
-    assert 0.0 <= p.p <= C
+    assert t1 + b1 <= max(c, t1) and b1 + b2 <= c, "ARC's ghost lists are bounded"
+    assert 0.0 <= p.p <= c
 
 
 def _check_s3fifo(p: S3FIFOPolicy) -> None:
     s, m, g = p.sizes
     assert s + m == len(p)
-    assert g <= C, "S3-FIFO's ghost queue is bounded"
+    assert g <= p.key_capacity, "S3-FIFO's ghost queue is bounded"
 
 
 EXTRA_CHECKS: dict[type, Callable[[Any], None]] = {
@@ -79,15 +87,32 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         kwargs = {"admission": self.admission} if self.admission else {}
         self.p: EvictionPolicy = make_policy(self.policy_name, **kwargs)
-        self.p.bind(C)
         self.evictable: set[int] = set()
         self.pinned: set[int] = set()
+        #: Size of every resident key.
+        self.size: dict[int, int] = {}
         self.gone: list[int] = []
         self.n = 0
+        self.capacity = C
+        self.max_size = 1
+
+    @initialize(sized=st.booleans(), capacity=st.integers(1, 40), typical=st.integers(1, 4))
+    def bind(self, sized: bool, capacity: int, typical: int) -> None:
+        if sized:
+            # A budget in units (bytes, say) and items of random sizes.
+            self.capacity = capacity
+            self.max_size = capacity
+            self.p.bind(capacity, min(typical, capacity))
+        else:
+            # One unit per item, like the device pool's blocks.
+            self.p.bind(C)
 
     # -- helpers -------------------------------------------------------------------
     def _resident(self) -> list[int]:
         return sorted(self.evictable | self.pinned)
+
+    def _used(self) -> int:
+        return sum(self.size.values())
 
     def _took(self, victim: int | None) -> None:
         if victim is None:
@@ -95,48 +120,97 @@ class PolicyMachine(RuleBasedStateMachine):
             return
         assert victim in self.evictable, f"evicted {victim:#x}, which is pinned or not resident"
         self.evictable.remove(victim)
+        del self.size[victim]
         self.gone.append(victim)
 
     def _candidate(self, reuse: int) -> int:
         # Sometimes bring back a key that left, to exercise ghosts and history.
-        back = [k for k in self.gone[-2 * C :] if k not in self.evictable | self.pinned]
+        back = [k for k in self.gone[-2 * C :] if k not in self.size]
         if reuse and back:
             return back[reuse % len(back)]
         self.n += 1
         return _key(self.n)
 
-    def _insert_kwargs(self, size: int) -> dict[str, Any]:
-        return {"size": size} if self.policy_name in SIZED else {}
+    def _make_room(self, size: int) -> bool:
+        """Evict as the protocol says; whether an item of ``size`` fits now."""
+        used = self._used()
+        pinned = sum(self.size[k] for k in self.pinned)
+        before = self.p.snapshot()
+        victims = self.p.evict_for(size)
+        if victims is None:
+            assert pinned + size > self.capacity, "evict_for gave up although it could make room"
+            assert self.p.snapshot() == before, "evict_for gave up but changed the policy"
+            return False
+        assert len(set(victims)) == len(victims)
+        freed = [self.size[k] for k in victims if k in self.size]
+        for victim in victims:
+            self._took(victim)
+        assert used - sum(freed) + size <= self.capacity, "evict_for left too little room"
+        if victims:
+            assert used - sum(freed[:-1]) + size > self.capacity, "evict_for evicted too much"
+        else:
+            assert used + size <= self.capacity
+        return True
+
+    def _refused(self, call: Callable[[], object]) -> None:
+        before = self.p.snapshot()
+        with pytest.raises(OversizeError):
+            call()
+        assert self.p.snapshot() == before, "a refused item changed the policy"
 
     # -- rules -----------------------------------------------------------------------
-    @rule(pinned=st.booleans(), reuse=st.integers(0, 3), size=st.integers(1, 9))
-    def insert(self, pinned: bool, reuse: int, size: int) -> None:
-        if len(self.p) >= C:
-            self._took(self.p.evict())
-            if len(self.p) >= C:
-                return  # every resident key is pinned
+    @rule(pinned=st.booleans(), reuse=st.integers(0, 3), pick=st.integers(1, 1000))
+    def insert(self, pinned: bool, reuse: int, pick: int) -> None:
+        size = 1 + pick % self.max_size
         key = self._candidate(reuse)
-        if not self.p.admit(key):
+        if not self.p.admit(key) or not self._make_room(size):
             return
-        p: Any = self.p
-        p.insert(key, pinned, **self._insert_kwargs(size))
+        self.p.insert(key, pinned, size)
         (self.pinned if pinned else self.evictable).add(key)
+        self.size[key] = size
 
-    @rule(n=st.integers(1, 4), pinned=st.booleans(), reuse=st.integers(0, 3))
-    def insert_many(self, n: int, pinned: bool, reuse: int) -> None:
-        while len(self.p) + n > C:
-            victim = self.p.evict()
-            self._took(victim)
-            if victim is None:
-                n = C - len(self.p)
+    @rule(over=st.integers(1, 5), batch=st.booleans())
+    def oversize_is_refused(self, over: int, batch: bool) -> None:
+        size = self.capacity + over
+        self.n += 1
+        key = _key(self.n)
+        with pytest.raises(OversizeError):
+            self.p.evict_for(size)
+        if batch:
+            self._refused(lambda: self.p.insert_many([key, _key(10**9)], False, [1, size]))
+        else:
+            self._refused(lambda: self.p.insert(key, False, size))
+
+    @rule(
+        n=st.integers(1, 4),
+        pinned=st.booleans(),
+        reuse=st.integers(0, 3),
+        picks=st.lists(st.integers(1, 1000), min_size=4, max_size=4),
+        unit_form=st.booleans(),
+    )
+    def insert_many(
+        self, n: int, pinned: bool, reuse: int, picks: list[int], unit_form: bool
+    ) -> None:
+        sizes = [1 + pick % self.max_size for pick in picks[:n]]
+        while sum(sizes) > self.capacity:
+            sizes.pop()
         keys: list[int] = []
-        for _ in range(n):
+        for _ in sizes:
             key = self._candidate(reuse if not keys else 0)
-            if key in keys or not self.p.admit(key):
-                break  # like the pool: a declined key ends the run
+            if key in keys:
+                break
             keys.append(key)
-        self.p.insert_many(keys, pinned)
+        # Like the pool: a declined key ends the run, the filter still sees the rest.
+        keys = keys[: admit_chain(self.p.admit, keys)]
+        sizes = sizes[: len(keys)]
+        if not keys or not self._make_room(sum(sizes)):
+            return
+        if unit_form and self.max_size == 1:
+            self.p.insert_many(keys, pinned)
+        else:
+            self.p.insert_many(keys, pinned, sizes)
         (self.pinned if pinned else self.evictable).update(keys)
+        self.size.update(zip(keys, sizes, strict=True))
 
     @rule(i=st.integers(0, 99))
     def access(self, i: int) -> None:
@@ -196,6 +270,7 @@ class PolicyMachine(RuleBasedStateMachine):
             self.p.remove(k)  # non-resident keys must be ignored
             self.evictable.discard(k)
             self.pinned.discard(k)
+            self.size.pop(k, None)
 
     @rule()
     def evict(self) -> None:
@@ -213,16 +288,23 @@ class PolicyMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self) -> None:
         p = self.p
-        assert len(p) == len(self.evictable) + len(self.pinned) <= C
+        assert len(p) == len(self.evictable) + len(self.pinned) == len(self.size)
         assert p.num_evictable == len(self.evictable)
-        for k in self.evictable | self.pinned:
+        assert p.used == self._used() <= self.capacity == p.capacity
+        for k in self.size:
             assert k in p
         for k in self.gone[-4:]:
-            assert (k in p) == (k in self.evictable or k in self.pinned)
+            assert (k in p) == (k in self.size)
         bare = _bare(p)
+        assert bare.pinned_used == sum(self.size[k] for k in self.pinned)
         check = EXTRA_CHECKS.get(type(bare))
         if check is not None:
             check(bare)
+
+    @invariant()
+    def snapshot_is_plain_data(self) -> None:
+        snap = self.p.snapshot()
+        assert copy.deepcopy(snap) == snap == self.p.snapshot(), "snapshot() has side effects"
 
 
 _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
@@ -283,6 +365,64 @@ def test_eviction_below_capacity_and_unbound() -> None:
             assert p.evict() == 7 and p.evict() is None, name
             p.unpin(8)
             assert p.evict() == 8 and len(p) == 0, name
+
+
+@pytest.mark.parametrize("name", available_policies())
+def test_a_byte_budget_evicts_until_the_item_fits(name: str) -> None:
+    p = make_policy(name)
+    p.bind(100, typical_size=10)
+    assert (p.capacity, p.key_capacity, p.used) == (100, 10, 0)
+    p.insert_many([1, 2, 3], False, [30, 30, 30])
+    p.insert(4, pinned=True, size=10)
+    assert p.used == 100
+    first = p.evict_for(1)  # full: one 30-unit key goes, whichever the policy picks
+    assert first is not None and len(first) == 1 and p.used == 70 and len(p) == 3
+    assert p.evict_for(30) == [], "it fits already"
+    victims = p.evict_for(90)  # both remaining 30-unit keys must go
+    assert victims is not None and len(victims) == 2 and p.used == 10
+    assert 4 not in victims, "a pinned key is never a victim"
+    assert p.evict_for(91) is None and p.used == 10, "the pinned 10 units cannot make room"
+    with pytest.raises(OversizeError, match=r"size 101 cannot fit .* capacity 100"):
+        p.evict_for(101)
+    with pytest.raises(OversizeError):
+        p.insert(5, size=101)
+    with pytest.raises(ConfigError, match="positive"):
+        p.insert(5, size=0)
+    assert len(p) == 1 and p.used == 10
+
+
+def test_unit_sizes_keep_no_size_entries() -> None:
+    """The device pool's blocks are size 1: no per-key size is stored for them."""
+    for name in available_policies():
+        p: Any = _bare(make_policy(name))
+        p.bind(8)
+        p.insert_many([1, 2, 3], True)
+        p.insert(4)
+        p.insert_many([5], False, [1])
+        assert p._sizes == {} and p.used == 5 and p.pinned_used == 3, name
+        assert p.evict_for(4) == [4], name
+
+
+def test_binding_checks_its_arguments() -> None:
+    p = make_policy("lru")
+    with pytest.raises(ConfigError, match="bind"):
+        p.evict_for(1)  # unbound: no capacity to fit into
+    for capacity, typical in ((0, 1), (8, 0), (8, 9), (True, 1)):
+        with pytest.raises(ConfigError):
+            p.bind(capacity, typical)  # type: ignore[arg-type]
+
+
+def test_admit_chain_cuts_at_the_first_decline_and_shows_every_key() -> None:
+    asked: list[int] = []
+
+    def admit(key: int) -> bool:
+        asked.append(key)
+        return key != 3
+
+    assert admit_chain(admit, [1, 2, 3, 4, 5]) == 2
+    assert asked == [1, 2, 3, 4, 5], "the filter sees the whole chain"
+    assert admit_chain(admit, []) == 0
+    assert admit_chain(admit, [1, 2]) == 2
 
 
 # -- the manager under every policy ---------------------------------------------------
@@ -355,3 +495,18 @@ class S3FIFOManagerMachine(ManagerMachine):
 
 TestS3FIFOManagerMachine = S3FIFOManagerMachine.TestCase
 TestS3FIFOManagerMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+# The manager machine once more under every other shipped policy: its rollback
+# check compares each policy's whole snapshot (ghosts, counts, heaps) after every
+# failed call, not only an LRU order.
+for _name in sorted(set(available_policies()) - {"lru", "s3fifo"}):
+    _managed: Any = type(
+        f"ManagerMachine_{_name}",
+        (ManagerMachine,),
+        {"policy_factory": staticmethod(lambda name=_name: name)},
+    )
+    _case = _managed.TestCase
+    _case.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    globals()[f"TestManagerMachine_{_name}"] = _case
+del _name, _managed, _case

@@ -103,10 +103,27 @@ def test_hits_count_toward_readmission() -> None:
 
 def test_sizes_reach_a_wrapped_sized_policy() -> None:
     p = Admitted(GDSFPolicy())
-    p.bind(4)
+    p.bind(16, typical_size=4)
+    assert p.key_capacity == 4 and p.admission.window == 8 * 4  # the sketch counts keys
     p.insert(1, size=1)
     p.insert_many([2], sizes=[8])
-    assert p.evict() == 2
+    assert p.used == 9 and p.size_of(2) == 8
+    assert p.evict_for(8) == [2] and p.used == 1
+    assert p.evict() == 1 and p.used == 0
+
+
+def test_abort_withdraws_the_blocks_published_before_a_decline() -> None:
+    """A chain cut by admission still records the blocks it published before the cut."""
+    m = KVCacheManager(6, 2, policy=make_policy("arc", admission="tinylfu"))
+    m.allocate("seen", [0, 0, 0])  # one full block: its key's first sighting, declined
+    m.free("seen")
+    m.allocate("a", [0, 0, 0, 0, 0])  # the first block is admitted, the second declined
+    assert m.stats().cached_blocks == 1
+    # The forward pass failed before computing anything: its published block goes.
+    assert m.abort("a", 0) == 1
+    assert m.stats().cached_blocks == 0
+    assert m.allocate("b", [0, 0, 0]).num_cached_tokens == 0, "a garbage block was hit"
+    m.check()
 
 
 def test_pool_publishes_a_whole_chain_on_its_second_sight() -> None:

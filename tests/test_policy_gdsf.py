@@ -10,7 +10,7 @@ from kvtier.policy import GDSFPolicy
 
 def test_large_entry_goes_before_small_one() -> None:
     p = GDSFPolicy()
-    p.bind(4)
+    p.bind(16)
     p.insert(1, size=1)
     p.insert(2, size=8)  # newer, but eight times the space for the same value
     assert p.evict() == 2

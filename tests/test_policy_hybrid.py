@@ -79,7 +79,7 @@ def test_size_alone_decides_between_otherwise_equal_keys() -> None:
 )
 def test_evicts_the_lowest_score(ops: list[tuple[str, int, int]], pressure: float) -> None:
     p = HybridPolicy(horizon=8)
-    p.bind(10)
+    p.bind(400)
     evictable: set[int] = set()
     pinned: set[int] = set()
     n = 0

@@ -1,11 +1,15 @@
-"""The pressure controller: readings drive modes, callbacks, admission, failures, sampling."""
+"""The pressure controller: readings drive modes, callbacks, admission, failures, sampling.
+
+Threads and the event loop are synchronised on events and conditions, never
+on sleeps: every wait here ends because something happened, and a test that
+waits for something that never comes fails on pytest's timeout.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-import time
 
 import pytest
 
@@ -13,6 +17,7 @@ from kvtier import (
     AdmissionRejectedError,
     ConfigError,
     Ladder,
+    MemoryReading,
     Mode,
     ModeActions,
     ModeChange,
@@ -32,8 +37,8 @@ def controller(
 def test_modes_change_only_on_readings() -> None:
     ctrl, mon = controller()
     mon.set(0.95)
-    time.sleep(0.05)
-    assert ctrl.mode is Mode.RELAXED  # no reading yet, no change
+    # Nothing samples (no thread, no task): the new value is not seen yet.
+    assert ctrl.mode is Mode.RELAXED and ctrl.readings == 0 and mon.reads == 0
     assert ctrl.sample() is Mode.CRITICAL
     assert ctrl.mode is Mode.CRITICAL and ctrl.fraction == pytest.approx(0.95)
     assert ctrl.actions == DEFAULT_ACTIONS[Mode.CRITICAL]
@@ -87,13 +92,27 @@ def test_delay_waits_for_a_lower_mode_then_admits() -> None:
     with pytest.raises(AdmissionRejectedError) as info:
         ctrl.check_admission()
     assert info.value.retry is True
-    timer = threading.Timer(0.1, lambda: (mon.set(0.2), ctrl.sample()))
-    timer.start()
-    started = time.monotonic()
-    ctrl.admit(timeout=10.0)  # released by the mode change, long before the timeout
-    assert time.monotonic() - started < 5.0
-    assert ctrl.mode is Mode.RELAXED
-    timer.join()
+    waiting = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def client() -> None:
+        waiting.set()
+        try:
+            # Far longer than pytest's timeout: only the mode change can end this wait.
+            ctrl.admit(timeout=3600.0)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    waiting.wait()
+    assert not outcome, "admit returned while the mode still delays"
+    mon.set(0.2)
+    ctrl.sample()  # the change notifies the waiting client
+    thread.join()
+    assert outcome == [None] and ctrl.mode is Mode.RELAXED
 
 
 def test_delay_gives_up_after_the_bound() -> None:
@@ -142,35 +161,70 @@ def test_a_raising_callback_does_not_stop_the_others() -> None:
 def test_background_thread_samples_and_stops() -> None:
     ctrl, mon = controller(interval=0.01)
     changed = threading.Event()
-    ctrl.on_change(lambda c: changed.set() if c.new is Mode.CRITICAL else None)
+    heard_on: list[threading.Thread] = []
+
+    def listener(change: ModeChange) -> None:
+        heard_on.append(threading.current_thread())
+        changed.set()
+
+    ctrl.on_change(listener)
     with ctrl:
-        assert ctrl.readings >= 1  # the first reading is taken at start
+        assert ctrl.readings >= 1 and ctrl.mode is Mode.RELAXED  # the first reading, at start
+        sampler = ctrl._thread
+        assert sampler is not None and sampler.is_alive()
         mon.set(0.91)
-        assert changed.wait(5.0)
+        changed.wait()
         assert ctrl.mode is Mode.CRITICAL
-        assert threading.current_thread() is not None
+        assert heard_on == [sampler], "the change was heard on the sampling thread"
+    assert not sampler.is_alive() and ctrl._thread is None, "close() stopped the sampler"
     n = ctrl.readings
-    time.sleep(0.05)
-    assert ctrl.readings == n  # stopped
+    mon.set(0.1)
+    assert ctrl.readings == n and ctrl.mode is Mode.CRITICAL, "nothing samples any more"
+
+
+class _HandshakeMonitor:
+    """Its first read waits for the event loop to answer: possible only off the loop."""
+
+    name = "handshake"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reading: asyncio.Event) -> None:
+        self.loop = loop
+        self.reading = reading
+        self.answered = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def read(self) -> MemoryReading:
+        self.threads.append(threading.current_thread())
+        if len(self.threads) == 1:
+            self.loop.call_soon_threadsafe(self.reading.set)
+            # In a worker thread the loop is free to answer at once. On the loop's
+            # own thread nothing can answer: the wait runs out, the reading lands
+            # before the loop looks, and the test's checks fail.
+            self.answered.wait(30.0)
+        return MemoryReading(81, 100, self.name)
+
+    def close(self) -> None:
+        self.answered.set()
 
 
 def test_asyncio_task_samples_without_blocking_the_loop() -> None:
-    ctrl, mon = controller(interval=0.01)
-    mon.set(0.81)
-
-    async def main() -> tuple[Mode, int]:
+    async def main() -> tuple[PressureController, _HandshakeMonitor]:
+        mon = _HandshakeMonitor(asyncio.get_running_loop(), asyncio.Event())
+        ctrl = PressureController(mon, interval=0.01)
+        changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        ctrl.on_change(lambda c: loop.call_soon_threadsafe(changed.set))
         task = asyncio.create_task(ctrl.run())
-        ticks = 0
-        for _ in range(50):
-            await asyncio.sleep(0.002)
-            ticks += 1
-            if ctrl.mode is Mode.PRESSURE:
-                break
+        await mon.reading.wait()  # the loop runs while the monitor is mid-read
+        assert ctrl.mode is Mode.RELAXED
+        mon.answered.set()
+        await changed.wait()
         task.cancel()
-        return ctrl.mode, ticks
+        return ctrl, mon
 
-    mode, ticks = asyncio.run(main())
-    assert mode is Mode.PRESSURE and ticks >= 1
+    ctrl, mon = asyncio.run(main())
+    assert ctrl.mode is Mode.PRESSURE
+    assert threading.main_thread() not in mon.threads, "the monitor was read on the loop"
 
 
 def test_bad_interval() -> None:

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import random
 import threading
-import time
 
 import pytest
 from hypothesis import settings
@@ -134,14 +133,20 @@ def test_target_is_best_effort_when_requests_hold_everything() -> None:
 
 
 def test_a_stuck_monitor_never_blocks_allocation() -> None:
+    entered = threading.Event()
     release = threading.Event()
+    returned = threading.Event()
 
     class Stuck:
         name = "stuck"
 
         def read(self) -> MemoryReading:
-            release.wait(10.0)
-            return MemoryReading(1, 10, self.name)
+            entered.set()
+            # Bounded: were allocation to wait for this reading, the reading
+            # would end first and the check below would fail, not hang.
+            release.wait(30.0)
+            returned.set()
+            return MemoryReading(9, 10, self.name)
 
         def close(self) -> None:
             release.set()
@@ -150,13 +155,13 @@ def test_a_stuck_monitor_never_blocks_allocation() -> None:
     ctrl = PressureController(ScriptedMonitor(0.1), interval=0.01)
     mgr.set_pressure_gate(ctrl)
     ctrl.start()
-    ctrl.monitor = Stuck()  # the sampler thread now hangs inside read()
-    time.sleep(0.05)
-    started = time.monotonic()
+    ctrl.monitor = Stuck()
+    entered.wait()  # the sampler thread is inside read(), holding the sampling lock
     for i in range(50):
         mgr.allocate(i, prompt(i, 1))
         mgr.free(i)
-    assert time.monotonic() - started < 5.0
+    assert not returned.is_set(), "allocation waited for the stuck reading"
+    assert mgr.stats().allocations == 50 and ctrl.mode is Mode.RELAXED
     release.set()
     ctrl.close()
 
@@ -226,10 +231,34 @@ TestGatedManager = GatedManager.TestCase
 TestGatedManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
+class _SeenMonitor(ScriptedMonitor):
+    """A scripted monitor that tells a writer when the sampler has read its value."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self._read = threading.Condition()
+        self._reads_seen = 0
+
+    def read(self) -> MemoryReading:
+        reading = super().read()
+        with self._read:
+            self._reads_seen += 1
+            self._read.notify_all()
+        return reading
+
+    def set_and_wait(self, fraction: float, stop: threading.Event) -> None:
+        """Set ``fraction`` and wait until a later read has returned it (or ``stop``)."""
+        with self._read:
+            self.set(fraction)
+            target = self._reads_seen + 2  # the read in flight may predate the set
+            while self._reads_seen < target and not stop.is_set():
+                self._read.wait(0.05)
+
+
 def test_threads_allocate_while_the_monitor_flips_modes() -> None:
     """Four client threads and a flipping monitor; the manager is driven under one lock."""
     mgr = KVCacheManager(64, BS, policy="lru")
-    mon = ScriptedMonitor(0.0)
+    mon = _SeenMonitor()
     ctrl = PressureController(mon, interval=0.001)
     mgr.set_pressure_gate(ctrl)
     lock = threading.Lock()
@@ -237,37 +266,43 @@ def test_threads_allocate_while_the_monitor_flips_modes() -> None:
     ctrl.on_change(changes.append)
     stop = threading.Event()
     errors: list[BaseException] = []
-    counts = {"admitted": 0, "rejected": 0, "out": 0}
+    counts = {"attempts": 0, "admitted": 0, "rejected": 0, "out": 0}
+    # Each client runs until it has seen both outcomes (and made 150 attempts),
+    # so both are certain, however the threads happen to interleave.
+    seen_admitted, seen_rejected = threading.Event(), threading.Event()
 
     def flipper() -> None:
         rng = random.Random(7)
         while not stop.is_set():
-            mon.set(rng.choice([0.1, 0.6, 0.85, 0.93, 0.99]))
-            time.sleep(0.0005)
+            mon.set_and_wait(rng.choice([0.1, 0.6, 0.85, 0.93, 0.99]), stop)
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
         try:
-            for i in range(150):
+            for i in itertools.count():
+                if i >= 150 and seen_admitted.is_set() and seen_rejected.is_set():
+                    return
                 rid = f"{seed}-{i}"
                 with lock:
+                    counts["attempts"] += 1
                     try:
                         mgr.allocate(rid, prompt(rng.randrange(6), rng.randrange(4)))
                     except AdmissionRejectedError as exc:
                         counts["rejected"] += 1
+                        seen_rejected.set()
                         assert exc.retry
                         continue
                     except OutOfBlocksError:
                         counts["out"] += 1
                         continue
                     counts["admitted"] += 1
+                    seen_admitted.set()
                 with lock:
                     try:
                         mgr.extend(rid, list(range(rng.randrange(1, 6))))
                     except OutOfBlocksError:
                         counts["out"] += 1
                     mgr.check()
-                time.sleep(rng.random() * 0.002)  # let the sampler move in between
                 with lock:
                     mgr.free(rid)
         except BaseException as exc:  # surfaced below
@@ -280,13 +315,13 @@ def test_threads_allocate_while_the_monitor_flips_modes() -> None:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join()
         stop.set()
         flip.join()
     assert not errors, errors
     mgr.check()
     assert len(mgr) == 0 and mgr.pool.num_used == 0
-    assert counts["admitted"] + counts["rejected"] + counts["out"] == 600
+    assert counts["admitted"] + counts["rejected"] + counts["out"] == counts["attempts"] >= 600
     assert counts["admitted"] > 0 and counts["rejected"] > 0
     # Every change was heard once, in order: each starts where the last one ended.
     assert len(changes) == ctrl.mode_changes > 0

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from needs import need_module, skip_for_hardware
 
 from kvtier import (
     BlockPool,
@@ -126,19 +127,19 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(not _has("pynvml"), reason="nvidia-ml-py is not installed")
 def test_nvml_without_a_driver_is_unavailable_not_a_crash() -> None:
+    need_module("pynvml", "install the dev extra (nvidia-ml-py)")
     if _cuda():
-        pytest.skip("a GPU is present: the real NVML test covers it")
+        skip_for_hardware("a GPU is present: the real NVML test covers it")
     with pytest.raises(MonitorUnavailableError, match="NVML"):
         NvmlMonitor()
 
 
-@pytest.mark.skipif(not _has("pynvml") or not _has("torch"), reason="needs nvidia-ml-py")
 def test_nvml_sees_a_tensor_fill_device_memory() -> None:
+    need_module("pynvml", "install the dev extra (nvidia-ml-py)")
+    torch = need_module("torch")
     if not _cuda():
-        pytest.skip("no CUDA device")
-    import torch
+        skip_for_hardware("no CUDA device")
 
     mon = NvmlMonitor(0)
     before = mon.read()
@@ -154,7 +155,7 @@ def test_nvml_sees_a_tensor_fill_device_memory() -> None:
 
 def test_amd_smi_absent_is_unavailable() -> None:
     if _has("amdsmi"):
-        pytest.skip("amdsmi is installed here")
+        skip_for_hardware("amdsmi is installed: this is an AMD GPU machine")
     with pytest.raises(MonitorUnavailableError, match="cannot import amdsmi"):
         AmdSmiMonitor()
 
@@ -175,7 +176,7 @@ def test_absent_gpu_index_is_unavailable() -> None:
 
 def test_auto_detection_falls_back_and_logs_why(caplog: pytest.LogCaptureFixture) -> None:
     if _cuda():
-        pytest.skip("a GPU is present: detection picks it")
+        skip_for_hardware("a GPU is present: detection picks it")
     pool = BlockPool(8, 4)
     with caplog.at_level(logging.INFO, logger="kvtier.pressure"):
         mon, skipped = detect_monitor(pool=pool)

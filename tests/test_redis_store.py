@@ -1,6 +1,7 @@
 """RedisStore against real redis-server processes: one server, a small LRU server, a cluster.
 
-Skipped only where ``redis-server`` is not installed.
+Skipped only where ``redis-server`` is not installed, and never in CI
+(``KVTIER_REQUIRE_ALL=1``: see ``needs.py``).
 """
 
 from __future__ import annotations
@@ -10,23 +11,17 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import redis
-import torch
-from redis_servers import (
-    RedisClusterServers,
-    RedisServer,
-    command,
-    free_port,
-    redis_server_available,
-)
+from needs import need_module, need_redis_server
+from redis_servers import RedisClusterServers, RedisServer, command, free_port
 
 from kvtier.errors import ConfigError, CorruptBlockError, TierUnavailableError
 from kvtier.offload.codec import RawCodec, make_codec, verify
 from kvtier.offload.media import BlockFormat, Stored
 from kvtier.offload.redis_store import RedisStore
 
-if not redis_server_available():
-    pytest.skip("redis-server / redis-cli are not installed", allow_module_level=True)
+need_redis_server()
+redis = need_module("redis", "install the redis extra")
+torch = need_module("torch")
 
 # Blocks read back are read-only views of the reply bytes; torch warns once about that.
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")

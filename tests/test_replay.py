@@ -12,11 +12,11 @@ import random
 from collections import OrderedDict
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from kvtier import BadRequestError, ConfigError, KvTierError
+from kvtier import BadRequestError, ConfigError, KVCacheManager, KvTierError
 from kvtier.policy import available_policies
 from kvtier.replay import (
     Trace,
@@ -28,6 +28,7 @@ from kvtier.replay import (
     simulate_block,
     simulate_min,
     simulate_prefix,
+    simulator,
 )
 from kvtier.replay.progress import ProgressBar, want_progress
 from kvtier.replay.report import format_table, run_replay, to_json
@@ -370,11 +371,52 @@ def test_every_policy_replays_below_min(sample: Trace, policy: str, model: str) 
     assert 0.0 <= r.token_hit_ratio <= 1.0 and 0.0 <= r.prefix_hit_ratio <= 1.0
 
 
+class _CheckedManager(KVCacheManager):
+    """The real manager, running its full invariant check after every call that changes it."""
+
+    instances: ClassVar[list[_CheckedManager]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks = 0
+        _CheckedManager.instances.append(self)
+
+    def _checked(self) -> None:
+        self.check()
+        self.checks += 1
+
+    def allocate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().allocate(*args, **kwargs)
+        finally:
+            self._checked()  # after a failed allocation too: it must change nothing
+
+    def extend(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().extend(*args, **kwargs)
+        finally:
+            self._checked()
+
+    def free(self, *args: Any, **kwargs: Any) -> None:
+        super().free(*args, **kwargs)
+        self._checked()
+
+
 @pytest.mark.parametrize("policy", available_policies())
-def test_every_policy_keeps_the_manager_consistent(sample: Trace, policy: str) -> None:
+def test_every_policy_keeps_the_manager_consistent(
+    sample: Trace, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(simulator, "KVCacheManager", _CheckedManager)
+    _CheckedManager.instances.clear()
     # Window 4 pins several requests at once and makes allocations fail and retry.
     r = simulate_prefix(sample, policy, 300, window=4)
-    assert r.requests == len(sample.requests) and r.block_hits >= 0
+    (manager,) = _CheckedManager.instances
+    assert manager.checks >= 2 * len(sample.requests), "every allocate and free was checked"
+    assert manager.stats().allocation_failures > 0, "the window must make allocations fail"
+    assert len(manager) == 0 and manager.pool.num_used == 0
+    best = simulate_min(sample, 300, "prefix")
+    assert r.requests == len(sample.requests)
+    assert 0 < r.block_hits <= best.block_hits
 
 
 # -- the report ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs import need_module
 
 from kvtier.cli import main
 from kvtier.policy import available_policies
@@ -61,7 +62,7 @@ def test_replay_token_trace_and_capacity_units(
 
 
 def test_replay_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
+    need_module("matplotlib", "install the dev extra")
     png = tmp_path / "hits.png"
     argv = ["replay", "--limit", "200", "-p", "lru", "-c", "2%", "5%", "10%", "--plot", str(png)]
     assert main(argv) == 0

@@ -8,8 +8,9 @@ import sys
 from dataclasses import replace
 
 import pytest
+from needs import hardware_mark, need_module
 
-torch = pytest.importorskip("torch")
+torch = need_module("torch")
 
 from kvtier import BlockTable, KVCacheManager, KVLayout  # noqa: E402
 from kvtier.errors import BadRequestError, ConfigError, KvTierError  # noqa: E402
@@ -111,7 +112,7 @@ def test_bad_construction_arguments() -> None:
         torch_dtype("float64")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when CUDA is absent")
+@hardware_mark(not torch.cuda.is_available(), "a CUDA device is here (this checks its absence)")
 def test_cuda_without_a_gpu_is_a_clear_config_error() -> None:
     with pytest.raises(ConfigError, match=r"CUDA.*torch\.cuda\.is_available\(\) is False"):
         KVBlockStorage(SMALL, 4, device="cuda")
@@ -520,7 +521,7 @@ def test_missing_torch_gives_an_install_hint() -> None:
 
 
 # -- CUDA (runs where a GPU is available) ---------------------------------------------------
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@hardware_mark(torch.cuda.is_available(), "no CUDA device")
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_round_trip_and_offload_to_host(kind: str) -> None:
     layout = small("bfloat16")

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from redis_servers import RedisClusterServers, RedisServer, redis_server_available
+from needs import need_redis_server
+from redis_servers import RedisClusterServers, RedisServer
 from tiny_model import tiny_model_and_tokenizer
 
 from kvtier.engine import Engine, SamplingParams
@@ -18,9 +19,7 @@ from kvtier.offload.host import HostStore
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
-needs_redis = pytest.mark.skipif(
-    not redis_server_available(), reason="redis-server / redis-cli are not installed"
-)
+needs_redis = pytest.mark.usefixtures("_redis_installed")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
@@ -106,9 +105,13 @@ def test_outputs_identical_with_tiers(
 
 
 @pytest.fixture()
+def _redis_installed() -> None:
+    need_redis_server()
+
+
+@pytest.fixture()
 def redis_server() -> Iterator[RedisServer]:
-    if not redis_server_available():
-        pytest.skip("redis-server is not installed")
+    need_redis_server()
     with RedisServer() as srv:
         yield srv
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from needs import need_module
 
-pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
+need_module("vllm.v1.kv_offload.cpu.manager")
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
-from kvtier.integrations.vllm import cache_policy as cp
-from kvtier.policy import available_policies
+from kvtier.integrations.vllm import cache_policy as cp  # noqa: E402
+from kvtier.policy import available_policies  # noqa: E402
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 SHIPPED = ["arc", "fifo", "gdsf", "hybrid", "lfu", "lru", "s3fifo", "sieve"]

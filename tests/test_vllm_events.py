@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 import pytest
+from needs import need_module
 
-zmq = pytest.importorskip("zmq")
-msgspec = pytest.importorskip("msgspec")
+zmq = need_module("zmq")
+msgspec = need_module("msgspec")
 
 from kvtier import ConfigError  # noqa: E402
 from kvtier.integrations.vllm import events as ev  # noqa: E402
@@ -49,7 +50,7 @@ def connect(pub: KvEventPublisher, topic: str) -> tuple[Any, int]:
 
 
 def test_vllm_subscriber_decodes_exact_events() -> None:
-    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    kv_events = need_module("vllm.distributed.kv_events")
     port = free_port()
     with KvEventPublisher(
         f"tcp://127.0.0.1:{port}", bind=True, topic="kvtier", block_size=16
@@ -101,7 +102,7 @@ def test_vllm_subscriber_decodes_exact_events() -> None:
 
 
 def test_local_structs_encode_the_same_bytes_as_vllms() -> None:
-    pytest.importorskip("vllm.distributed.kv_events")
+    need_module("vllm.distributed.kv_events")
 
     def batch(pub: KvEventPublisher) -> bytes:
         pub.stored([1, 2], parent=7, token_ids=[5, 6, 7, 8], block_size=2, lora_id=3,

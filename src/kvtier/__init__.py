@@ -24,6 +24,7 @@ from kvtier.errors import (
     KvTierError,
     MonitorUnavailableError,
     OutOfBlocksError,
+    OversizeError,
     TierUnavailableError,
     UnknownRequestError,
 )
@@ -32,7 +33,7 @@ from kvtier.integrations.errors import (
     MissingDependencyError,
     UnsupportedVllmError,
 )
-from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
+from kvtier.keys import HASH_ALGORITHMS, KEY_FORMAT_VERSION, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -86,6 +87,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "KEY_FORMAT_VERSION",
     "ARCPolicy",
     "AdmissionFilter",
     "Admitted",
@@ -124,6 +126,7 @@ __all__ = [
     "LRUPolicy",
     "Namespace",
     "OutOfBlocksError",
+    "OversizeError",
     "PolicyBase",
     "PressureEvent",
     "HostMemoryMonitor",

@@ -63,6 +63,22 @@ class OutOfBlocksError(KvTierError):
         self.total = total
 
 
+class OversizeError(KvTierError, ValueError):
+    """An item is larger than the whole capacity of the cache level asked to hold it.
+
+    Raised at once, before anything changes: no amount of eviction could make
+    room for it.
+    """
+
+    def __init__(self, size: int, capacity: int) -> None:
+        super().__init__(
+            f"an item of size {size} cannot fit a cache level of capacity {capacity}: "
+            "split the item, or give the level more capacity"
+        )
+        self.size = size
+        self.capacity = capacity
+
+
 class AdmissionRejectedError(KvTierError):
     """Admission control declined a new request (memory pressure).
 

@@ -11,6 +11,14 @@ from Python's ``hash()``, so they are identical across processes and machines
 and two engines can share blocks through a remote tier.
 
 Only *full* blocks get keys; a sequence's partial tail is private to it.
+
+Keys outlive processes (disk files, shared Redis), so the key function is
+versioned: :data:`KEY_FORMAT_VERSION` is part of every namespace root. Any
+change that alters a key (an encoding, a hash, the root derivation) must bump
+it; every key then changes, and so does the storage namespace derived from
+the root, so blocks stored under the old format are never read back as
+blocks of the new one. The test suite pins known-answer keys of the current
+version for every algorithm, namespace and extra-key shape.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from kvtier.layout import KVLayout
 ExtraKey = int | str | bytes
 
 HASH_ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
+#: The key format (see the module docstring); 1 is the format since the first release.
+KEY_FORMAT_VERSION = 1
 _KEY_BYTES = 16
-_FORMAT_TAG = b"kvtier-key/1"
 
 
 def _encode_extra(parts: Sequence[ExtraKey]) -> bytes:
@@ -111,9 +120,11 @@ class Namespace:
     tenant_salt: str = ""
 
     def canonical(self) -> bytes:
+        """The bytes the namespace root hashes: format version, model, layout, tenant."""
         layout = self.layout.canonical() if self.layout is not None else "-"
+        tag = b"kvtier-key/%d" % KEY_FORMAT_VERSION
         return b"\0".join(
-            (_FORMAT_TAG, self.model_id.encode(), layout.encode(), self.tenant_salt.encode())
+            (tag, self.model_id.encode(), layout.encode(), self.tenant_salt.encode())
         )
 
 

@@ -412,6 +412,8 @@ class KVCacheManager:
         blocks = req.table.blocks
         for i, cached in enumerate(results, start):
             if cached < 0:
+                # Admission declined this block: the ones before it are published.
+                own.extend(keys[start:i])
                 req.chain_open = False
                 req.tail = array("I")
                 return

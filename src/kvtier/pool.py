@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from mypy_extensions import mypyc_attr
 
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
-from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.base import EvictionPolicy, PolicyBase, admit_chain
 from kvtier.policy.lru import LRUPolicy
 
 
@@ -415,7 +415,8 @@ class BlockPool:
                 )
             pb = found
         block_key = self.block_key
-        admit = None if self._admits_all else self.policy.admit
+        # How many of the run's new keys may be published (all, without a filter).
+        admitted = -1 if self._admits_all else self._admitted_new(keys)
         results: list[int] = []
         published: list[int] = []
         for block, key in zip(blocks, keys, strict=True):
@@ -426,14 +427,9 @@ class BlockPool:
                 continue
             if block_key[block] is not None:
                 raise InternalInvariantError(f"commit of block {block}, which is already cached")
-            if admit is not None and not admit(key):
+            if len(published) == admitted:
                 self.declined += 1
                 results.append(-1)
-                # Show the filter the rest of the run too, so the next sighting
-                # of this chain admits all of it, not one block per repeat.
-                for later in keys[len(results) :]:
-                    if later not in cached:
-                        admit(later)
                 break
             cached[key] = block
             block_key[block] = key
@@ -445,6 +441,17 @@ class BlockPool:
         if published:
             self.policy.insert_many(published, True)
         return results
+
+    def _admitted_new(self, keys: Sequence[int]) -> int:
+        """How many of the keys not cached yet the policy admits, cut at the first decline."""
+        cached = self._cached
+        seen: set[int] = set()
+        new: list[int] = []
+        for key in keys:
+            if key not in cached and key not in seen:
+                seen.add(key)
+                new.append(key)
+        return admit_chain(self.policy.admit, new)
 
     # -- checking --------------------------------------------------------------
     def check(self, holders: Iterable[Iterable[int]] | None = None) -> None:
@@ -497,6 +504,10 @@ class BlockPool:
         if n_cached != len(self.policy):
             raise InternalInvariantError(
                 f"{n_cached} cached blocks but the policy tracks {len(self.policy)}"
+            )
+        if self.policy.used != n_cached:
+            raise InternalInvariantError(
+                f"{n_cached} cached blocks of size 1 but the policy counts {self.policy.used} used"
             )
         if n_evictable != self.policy.num_evictable:
             raise InternalInvariantError(

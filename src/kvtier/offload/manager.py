@@ -13,7 +13,8 @@ the transfer engine move bytes between the slots it hands out. The protocol:
 * ``prepare_store(keys)``: reserve slots for the keys not already held,
   evicting unpinned ready keys the policy picks (never one named in the same
   call, never one being loaded or stored). When room cannot be made it
-  returns ``None`` and **nothing has changed**;
+  returns ``None`` and **nothing has changed** (not even the policy's order;
+  an admission filter has still recorded the sighting of the keys);
 * ``complete_store(keys, success)``: make stored keys ready, or release the
   slots of a store that failed;
 * ``take_events()``: the stored / removed events since the last call;
@@ -33,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
-from kvtier.policy.base import EvictionPolicy, request_hook
+from kvtier.policy.base import EvictionPolicy, admit_chain, request_hook
 from kvtier.policy.registry import make_policy
 
 
@@ -210,7 +211,10 @@ class OffloadingManager:
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[int]) -> PrepareStoreOutput | None:
-        """Reserve slots for the keys not held yet; ``None``, changing nothing, if no room."""
+        """Reserve slots for the keys not held yet; ``None``, changing nothing, if no room.
+
+        A declined key (admission) ends what is stored: see :func:`admit_chain`.
+        """
         entries = self._entries
         policy = self.policy
         new: list[int] = []
@@ -226,24 +230,21 @@ class OffloadingManager:
             elif e.ready and e.ref == 0:
                 held.append(key)
         if new:
-            # Every new key is shown to the filter, so it sees whole chains;
-            # a declined key ends what is stored: a block is useless below a
-            # missing parent.
-            admitted = [policy.admit(k) for k in new]
-            if not all(admitted):
-                cut = admitted.index(False)
+            cut = admit_chain(policy.admit, new)
+            if cut < len(new):
                 self.declined += len(new) - cut
                 new = new[:cut]
         need = len(new) - len(self._free)
         victims: list[int] = []
         if need > 0:
+            # Checked before the policy is touched, so a refusal changes nothing.
+            if policy.num_evictable - len(held) < need:
+                self.store_rejections += 1
+                return None
             # Keys of this call that are already held must survive it: pinned
             # while victims are chosen (unpinning counts as a use for them).
             policy.pin_many(held)
             try:
-                if policy.num_evictable < need:
-                    self.store_rejections += 1
-                    return None
                 victims = policy.evict_many(need)
                 if len(victims) != need:
                     raise InternalInvariantError(
@@ -355,6 +356,10 @@ class OffloadingManager:
         if len(policy) != len(ready):
             raise InternalInvariantError(
                 f"policy holds {len(policy)} keys but the tier has {len(ready)} ready ones"
+            )
+        if policy.used != len(ready):
+            raise InternalInvariantError(
+                f"policy counts {policy.used} used but the tier has {len(ready)} ready blocks"
             )
         evictable = 0
         for key, e in entries.items():

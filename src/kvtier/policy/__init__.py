@@ -13,7 +13,7 @@ from kvtier.policy.admission import (
     with_admission,
 )
 from kvtier.policy.arc import ARCPolicy
-from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.base import EvictionPolicy, PolicyBase, admit_chain
 from kvtier.policy.fifo import FIFOPolicy
 from kvtier.policy.gdsf import GDSFPolicy
 from kvtier.policy.hybrid import HybridPolicy
@@ -53,6 +53,7 @@ __all__ = [
     "S3FIFOPolicy",
     "SIEVEPolicy",
     "TinyLFUAdmission",
+    "admit_chain",
     "available_policies",
     "make_admission",
     "make_policy",

@@ -43,6 +43,8 @@ class AdmissionFilter(Protocol):
 
     def record(self, key: int) -> None: ...
 
+    def snapshot(self) -> dict[str, Any]: ...
+
 
 def _mix(key: int) -> int:
     """64 well-mixed bits of a (up to 128-bit) key: murmur3's fmix64."""
@@ -89,9 +91,23 @@ class TinyLFUAdmission:
         self._samples = 0
 
     def bind(self, capacity: int) -> None:
+        """Size the sketch for a level of ``capacity`` keys."""
         if capacity <= 0:
             raise ConfigError(f"an admission filter's capacity must be positive, got {capacity}")
         self._size(capacity)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole filter state as plain data (sketch and doorkeeper bytes included)."""
+        return {
+            "window": self.window,
+            "threshold": self.threshold,
+            "depth": self.depth,
+            "width_mask": self._width_mask,
+            "door_mask": self._door_mask,
+            "sketch": bytes(self._sketch),
+            "door": bytes(self._door),
+            "samples": self._samples,
+        }
 
     # -- doorkeeper and sketch ------------------------------------------------------
     def _door_bits(self, x: int) -> list[int]:
@@ -163,7 +179,9 @@ class Admitted(PolicyBase):
     Every other call goes to ``policy``; hits are also recorded by the
     filter, so a block that was reused, evicted and then recomputed is
     admitted again at once. Owner-specific attributes (a hybrid's
-    ``pressure``) are set on ``.policy``.
+    ``pressure``) are set on ``.policy``; ``used`` is the wrapped policy's.
+    The filter is bound to the level's ``key_capacity`` (its sketch counts
+    keys, whatever unit the capacity is in).
     """
 
     name: ClassVar[str] = "admitted"
@@ -171,17 +189,37 @@ class Admitted(PolicyBase):
     def __init__(
         self, policy: EvictionPolicy, admission: str | AdmissionFilter = "tinylfu"
     ) -> None:
+        # No PolicyBase.__init__: the sizes live in the wrapped policy.
         self.capacity = 0
+        self.key_capacity = 0
         self.policy = policy
         self.admission = make_admission(admission)
         # The protocol's name is a class attribute, but a wrapper's name
         # depends on what it wraps (stats report it): shadow it per instance.
         self.__dict__["name"] = f"{policy.name}+{self.admission.name}"
 
-    def bind(self, capacity: int) -> None:
-        super().bind(capacity)
-        self.policy.bind(capacity)
-        self.admission.bind(capacity)
+    @property
+    def used(self) -> int:
+        return self.policy.used
+
+    @property
+    def pinned_used(self) -> int:
+        inner = self.policy
+        if isinstance(inner, PolicyBase):
+            return inner.pinned_used
+        return len(inner) - inner.num_evictable
+
+    def size_of(self, key: int) -> int:
+        inner = self.policy
+        return inner.size_of(key) if isinstance(inner, PolicyBase) else 1
+
+    def bind(self, capacity: int, typical_size: int = 1) -> None:
+        super().bind(capacity, typical_size)
+        self.policy.bind(capacity, typical_size)
+        self.admission.bind(self.key_capacity)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"policy": self.policy.snapshot(), "admission": self.admission.snapshot()}
 
     def on_request(
         self,
@@ -199,11 +237,17 @@ class Admitted(PolicyBase):
         allowed = self.admission.admit(key)
         return self.policy.admit(key) and allowed
 
-    def insert(self, key: int, pinned: bool = False, **kwargs: Any) -> None:
-        self.policy.insert(key, pinned, **kwargs)
+    def insert(self, key: int, pinned: bool = False, size: int = 1, **kwargs: Any) -> None:
+        self.policy.insert(key, pinned, size, **kwargs)
 
-    def insert_many(self, keys: Sequence[int], pinned: bool = False, **kwargs: Any) -> None:
-        self.policy.insert_many(keys, pinned, **kwargs)
+    def insert_many(
+        self,
+        keys: Sequence[int],
+        pinned: bool = False,
+        sizes: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.policy.insert_many(keys, pinned, sizes, **kwargs)
 
     def access(self, key: int) -> None:
         self.admission.record(key)
@@ -235,6 +279,9 @@ class Admitted(PolicyBase):
 
     def evict_many(self, n: int) -> list[int]:
         return self.policy.evict_many(n)
+
+    def evict_for(self, size: int) -> list[int] | None:
+        return self.policy.evict_for(size)
 
     def __len__(self) -> int:
         return len(self.policy)

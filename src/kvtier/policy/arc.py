@@ -9,12 +9,17 @@ target size ``p`` of T1 toward that list and the key goes to T2.
 The owner evicts before it inserts, so REPLACE runs in ``evict`` and the
 ghost-hit adaptation in ``insert``; the B2 tie-break of REPLACE uses the most
 recent ghost hit.
+
+With items of different sizes the lists, the ghosts and ``p`` are still
+counted in keys, bounded by the policy's ``key_capacity``; the owner takes
+victims in ARC's order until the new item fits (``evict_for``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -35,7 +40,12 @@ class ARCPolicy(PolicyBase):
     name: ClassVar[str] = "arc"
 
     def __init__(self) -> None:
+        # Assigned here, not by PolicyBase.__init__: mypyc compiles this class
+        # and needs every attribute it touches declared in it.
         self.capacity = 0
+        self.key_capacity = 0
+        self._sizes: dict[int, int] = {}
+        self._size_extra = 0
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[int, None] = OrderedDict()
@@ -55,12 +65,28 @@ class ARCPolicy(PolicyBase):
 
     def _c(self) -> int:
         # Unbound (a bare policy in a test): size ghosts by what is resident.
-        return self.capacity or max(1, len(self))
+        return self.key_capacity or max(1, len(self))
+
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "t1": list(self._t1),
+            "t2": list(self._t2),
+            "b1": list(self._b1),
+            "b2": list(self._b2),
+            "pinned": sorted(self._pinned.items()),
+            "t1_pinned": self._t1_pinned,
+            "p": self.p,
+            "last_ghost_hit_b2": self._last_ghost_hit_b2,
+        }
 
     def _trim_ghosts(self) -> None:
         b1, b2 = self._b1, self._b2
         n_b1 = len(b1)
-        c = self.capacity or max(1, len(self))
+        c = self.key_capacity or max(1, len(self))
         if n_b1 + len(b2) <= c and len(self._t1) + self._t1_pinned + n_b1 <= c:
             return  # the common case: both bounds hold
         t1 = len(self._t1) + self._t1_pinned
@@ -70,7 +96,9 @@ class ARCPolicy(PolicyBase):
             (b2 if b2 else b1).popitem(last=False)
 
     # -- transitions -------------------------------------------------------------
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         c = self._c()
         b1, b2 = self._b1, self._b2
         if key in b1:
@@ -134,6 +162,8 @@ class ARCPolicy(PolicyBase):
             self._t1_pinned -= not self._pinned.pop(key)
         else:
             return
+        if self._sizes:
+            self._forget_size(key)
         # T1 shrank, which never breaks a ghost bound; nothing to trim.
 
     def evict(self) -> int | None:
@@ -151,6 +181,8 @@ class ARCPolicy(PolicyBase):
         else:
             key = t2.popitem(last=False)[0]
             self._b2[key] = None
+        if self._sizes:
+            self._forget_size(key)
         self._trim_ghosts()
         return key
 

@@ -9,8 +9,8 @@ while pinned and rejoin it at their original insertion position.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
@@ -32,13 +32,27 @@ class FIFOPolicy(PolicyBase):
     name: ClassVar[str] = "fifo"
 
     def __init__(self) -> None:
-        self.capacity = 0
+        super().__init__()
         self._seq: dict[int, int] = {}
         self._pinned: set[int] = set()
         self._heap: list[tuple[int, int]] = []
         self._next = 0
 
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "seq": sorted(self._seq.items()),
+            "pinned": sorted(self._pinned),
+            "heap": list(self._heap),
+            "next": self._next,
+        }
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         seq = self._next
         self._next = seq + 1
         self._seq[key] = seq
@@ -47,7 +61,11 @@ class FIFOPolicy(PolicyBase):
         else:
             heapq.heappush(self._heap, (seq, key))
 
-    def insert_many(self, keys: Sequence[int], pinned: bool = False) -> None:
+    def insert_many(
+        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
+    ) -> None:
+        if sizes is not None:
+            self._record_sizes(keys, sizes)
         start = self._next
         self._next = start + len(keys)
         numbered = dict(zip(keys, range(start, self._next), strict=True))
@@ -82,6 +100,8 @@ class FIFOPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if self._seq.pop(key, None) is not None:
             self._pinned.discard(key)
+            if self._sizes:
+                self._forget_size(key)
             self._maybe_compact()
 
     def evict(self) -> int | None:
@@ -92,6 +112,8 @@ class FIFOPolicy(PolicyBase):
             s, key = heapq.heappop(heap)
             if seq.get(key) == s and key not in pinned:
                 del seq[key]
+                if self._sizes:
+                    self._forget_size(key)
                 return key
         return None
 

@@ -6,24 +6,23 @@ key has priority ``H = L + freq * cost / size``; the victim is the lowest H,
 and the inflation value ``L`` becomes the victim's H, so keys not touched for
 a long time fall behind newly refreshed ones (aging without a timer).
 
-The device pool has one size and cost for every block, so ``size`` and
-``cost`` default to 1 there; tiers and the replay pass real values (bytes of
-a block, recompute time of a prefix).
+``size`` is the protocol's (``insert(key, pinned, size)``), the same units
+as the capacity; ``cost`` is GDSF's own keyword (the recompute time of a
+prefix, say). The device pool has one size and cost for every block, so
+both default to 1 there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.policy.heap import HeapPolicy
 
 
-def _check(size: int, cost: float) -> None:
-    if size <= 0:
-        raise ConfigError(f"an entry's size must be positive, got {size}")
-    if cost < 0:
+def _check_cost(cost: float) -> None:
+    if not cost >= 0:
         raise ConfigError(f"an entry's cost must be non-negative, got {cost}")
 
 
@@ -44,7 +43,7 @@ class GDSFPolicy(HeapPolicy):
 
     def priority(self, key: int) -> float:
         """H for a resident key as it would be computed now."""
-        return self.L + self._freq[key] * self._cost[key] / self._size[key]
+        return self.L + self._freq[key] * self._cost[key] / self._sizes.get(key, 1)
 
     _priority = priority
 
@@ -55,11 +54,15 @@ class GDSFPolicy(HeapPolicy):
     def _on_evict(self, key: int, priority: float) -> None:
         self.L = priority
 
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "L": self.L, "cost": sorted(self._cost.items())}
+
     # -- transitions -------------------------------------------------------------
-    def insert(self, key: int, pinned: bool = False, *, size: int = 1, cost: float = 1.0) -> None:
-        _check(size, cost)
+    def insert(self, key: int, pinned: bool = False, size: int = 1, *, cost: float = 1.0) -> None:
+        _check_cost(cost)
+        if size != 1:
+            self._record_size(key, size)
         self._freq[key] = 1
-        self._size[key] = size
         self._cost[key] = cost
         self._admit_resident(key, pinned)
 
@@ -67,8 +70,8 @@ class GDSFPolicy(HeapPolicy):
         self,
         keys: Sequence[int],
         pinned: bool = False,
-        *,
         sizes: Sequence[int] | None = None,
+        *,
         costs: Sequence[float] | None = None,
     ) -> None:
         n = len(keys)
@@ -76,12 +79,13 @@ class GDSFPolicy(HeapPolicy):
             raise ConfigError("insert_many needs one size and one cost per key")
         # Check everything first so a bad entry leaves the policy unchanged.
         for i in range(n):
-            _check(1 if sizes is None else sizes[i], 1.0 if costs is None else costs[i])
+            self.check_size(1 if sizes is None else sizes[i])
+            _check_cost(1.0 if costs is None else costs[i])
         for i, key in enumerate(keys):
             self.insert(
                 key,
                 pinned,
-                size=1 if sizes is None else sizes[i],
+                1 if sizes is None else sizes[i],
                 cost=1.0 if costs is None else costs[i],
             )
 

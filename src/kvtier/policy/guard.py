@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from typing import Any
 
 from kvtier.errors import ConfigError
 
@@ -61,6 +62,21 @@ class LRUGuard:
         self.shortfall = 0.0  # smoothed LRU hits minus the owner's, per sampled access
         self.bias = 0.0  # smoothed shadow error measured in recency order
         self.switches = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """The guard's whole state as plain data."""
+        return {
+            "lru": list(self._lru),
+            "recency": self.recency,
+            "wait": self._wait,
+            "probe": self._probe,
+            "fresh": self._fresh,
+            "n": self._n,
+            "diff": self._diff,
+            "shortfall": self.shortfall,
+            "bias": self.bias,
+            "switches": self.switches,
+        }
 
     def observe(self, keys: Sequence[int], resident: Container[int]) -> None:
         """One request's chain, before the owner changes anything for it."""

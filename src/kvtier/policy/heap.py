@@ -10,6 +10,8 @@ the live ones. Pinned keys are held aside in ``_pinned`` and never scanned.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
+from typing import Any
 
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
@@ -21,14 +23,13 @@ _SLACK = 64
 class HeapPolicy(PolicyBase):
     """Base of the score-based policies; a subclass defines :meth:`_priority`.
 
-    Subclasses keep per-key metadata next to ``_freq`` and ``_size`` (which
+    Subclasses keep per-key metadata next to ``_freq`` and the sizes (which
     every score-based policy here uses) and extend :meth:`_forget` to drop it.
     """
 
     def __init__(self) -> None:
-        self.capacity = 0
+        super().__init__()
         self._freq: dict[int, int] = {}
-        self._size: dict[int, int] = {}
         self._pinned: set[int] = set()
         self._live: dict[int, int] = {}
         self._heap: list[tuple[float, int, int]] = []
@@ -40,7 +41,22 @@ class HeapPolicy(PolicyBase):
 
     def _forget(self, key: int) -> None:
         """Drop a key's metadata (it is no longer resident)."""
-        del self._freq[key], self._size[key]
+        del self._freq[key]
+        if self._sizes:
+            self._forget_size(key)
+
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "freq": sorted(self._freq.items()),
+            "pinned": sorted(self._pinned),
+            "live": sorted(self._live.items()),
+            "heap": list(self._heap),
+            "seq": self._seq,
+        }
 
     def _on_unpin(self, key: int) -> None:
         """Called before a released key re-enters the heap."""

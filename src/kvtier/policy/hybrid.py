@@ -15,9 +15,10 @@ score is evicted::
 
 * ``age``: uses (inserts, hits, releases) since the key's last use; the
   recency term is in [0, 1] for keys used within ``horizon`` uses (default:
-  the capacity) and keeps falling below 0 after that, so a key left idle long
-  enough loses to anything, however hot or small it was;
+  the policy's ``key_capacity``) and keeps falling below 0 after that, so a
+  key left idle long enough loses to anything, however hot or small it was;
 * ``freq``: hits plus one, capped at ``max_freq``;
+* ``size``: the protocol's (``insert(key, pinned, size)``);
 * ``size_scale``: the smallest power of two at least the largest size seen;
   big entries score low, so higher ``pressure`` prefers evicting them.
 
@@ -31,8 +32,7 @@ an O(n) rebuild; set ``pressure`` when it changes meaningfully, not per call.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.policy.heap import HeapPolicy
@@ -80,7 +80,7 @@ class HybridPolicy(HeapPolicy):
     # -- scoring ------------------------------------------------------------------
     @property
     def horizon(self) -> int:
-        return self._horizon or self.capacity or _UNBOUND_CAPACITY
+        return self._horizon or self.key_capacity or _UNBOUND_CAPACITY
 
     @property
     def pressure(self) -> float:
@@ -104,7 +104,7 @@ class HybridPolicy(HeapPolicy):
         freq = min(self._freq[key], self.max_freq)
         w_s = self.size_weight + self._pressure * self.pressure_size_weight
         f_term = math.log2(1 + freq) / self._log_max
-        s_term = 1.0 - self._size[key] / self._size_scale
+        s_term = 1.0 - self._sizes.get(key, 1) / self._size_scale
         return self.frequency_weight * f_term + w_s * s_term
 
     def _priority(self, key: int) -> float:
@@ -114,6 +114,15 @@ class HybridPolicy(HeapPolicy):
         super()._forget(key)
         del self._last[key]
 
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **super().snapshot(),
+            "pressure": self._pressure,
+            "size_scale": self._size_scale,
+            "clock": self._clock,
+            "last": sorted(self._last.items()),
+        }
+
     def _on_unpin(self, key: int) -> None:
         self._touch(key)  # a release is the last use
 
@@ -122,28 +131,15 @@ class HybridPolicy(HeapPolicy):
         self._last[key] = self._clock
 
     # -- transitions -------------------------------------------------------------
-    def insert(self, key: int, pinned: bool = False, *, size: int = 1) -> None:
-        if size <= 0:
-            raise ConfigError(f"an entry's size must be positive, got {size}")
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         self._freq[key] = 1
-        self._size[key] = size
         self._touch(key)
         if size > self._size_scale:
             self._size_scale = 1 << (size - 1).bit_length()
             self._rebuild()
         self._admit_resident(key, pinned)
-
-    def insert_many(
-        self, keys: Sequence[int], pinned: bool = False, *, sizes: Sequence[int] | None = None
-    ) -> None:
-        if sizes is None:
-            for key in keys:
-                self.insert(key, pinned)
-            return
-        if len(sizes) != len(keys) or min(sizes, default=1) <= 0:
-            raise ConfigError("insert_many needs one positive size per key")
-        for key, size in zip(keys, sizes, strict=True):
-            self.insert(key, pinned, size=size)
 
     def access(self, key: int) -> None:
         f = self._freq.get(key)

@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -185,11 +185,9 @@ class LearnedReusePolicy(PolicyBase):
             raise ConfigError(f"refresh must be at least 1 request, got {refresh!r}")
         if not isinstance(min_history, int) or min_history < 1:
             raise ConfigError(f"min_history must be at least 1 key, got {min_history!r}")
+        super().__init__()
         #: History kept: at least this many keys, whatever the capacity.
         self.min_history = min_history
-        self.capacity = 0
-        #: Size units held by resident keys.
-        self.used = 0
         self._history = history
         self._prior = float(prior)
         self._refresh = refresh
@@ -199,7 +197,6 @@ class LearnedReusePolicy(PolicyBase):
         # Residency.
         self._res: dict[int, _Rec] = {}
         self._pinned: set[int] = set()
-        self._sizes: dict[int, int] = {}
         self._n_evictable = 0
         self._cells: list[dict[_Rec, None]] = [{} for _ in range(_CLASSES * _B)]
         self._by_time: deque[_Rec] = deque()
@@ -228,10 +225,11 @@ class LearnedReusePolicy(PolicyBase):
         self.requests = 0
         self._rebuild()
 
-    def bind(self, capacity: int) -> None:
-        super().bind(capacity)
-        self._hist_limit = max(self._history * capacity, self.min_history)
-        self.guard = LRUGuard(capacity) if self._use_guard else None
+    def bind(self, capacity: int, typical_size: int = 1) -> None:
+        super().bind(capacity, typical_size)
+        keys = self.key_capacity
+        self._hist_limit = max(self._history * keys, self.min_history)
+        self.guard = LRUGuard(keys) if self._use_guard else None
 
     # -- the request ----------------------------------------------------------------------
     def on_request(
@@ -553,19 +551,8 @@ class LearnedReusePolicy(PolicyBase):
             r.evictable += 1
             self._n_evictable += 1
 
-    def _size_of(self, size: int) -> int:
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ConfigError(f"an entry's size must be a positive integer, got {size!r}")
-        if self.capacity and size > self.capacity:
-            raise ConfigError(
-                f"an entry of size {size} cannot fit in a capacity of {self.capacity}"
-            )
-        return size
-
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size != 1:
-            self._sizes[key] = self._size_of(size)
-        self.used += size
+        self._record_size(key, size)
         if pinned:
             self._pinned.add(key)
         r = self._record_for(key)
@@ -575,14 +562,10 @@ class LearnedReusePolicy(PolicyBase):
         self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
     ) -> None:
         if sizes is not None:
-            if len(sizes) != len(keys):
-                raise ConfigError("insert_many needs one size per key")
-            for s in sizes:
-                self._size_of(s)
+            self._check_sizes(keys, sizes)
             for key, s in zip(keys, sizes, strict=True):
                 self.insert(key, pinned, s)
             return
-        self.used += len(keys)
         if pinned:
             self._pinned.update(keys)
         hist = self._hist
@@ -686,7 +669,8 @@ class LearnedReusePolicy(PolicyBase):
             self._release(r)
         if not r.hist and self._hist.get(key) is r:
             del self._hist[key]
-        self.used -= self._sizes.pop(key, 1) if self._sizes else 1
+        if self._sizes:
+            self._forget_size(key)
 
     # -- eviction -----------------------------------------------------------------------
     def evict(self) -> int | None:
@@ -776,15 +760,49 @@ class LearnedReusePolicy(PolicyBase):
         if got:
             r.res -= got
             self._n_evictable -= got
-            sizes = self._sizes
-            if sizes:
-                self.used -= sum(sizes.pop(k, 1) for k in out[len(out) - got :])
-            else:
-                self.used -= got
+            if self._sizes:
+                for k in out[len(out) - got :]:
+                    self._forget_size(k)
             if r.res == 0:
                 self._release(r)
 
     # -- introspection ----------------------------------------------------------------
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        """Residency, history, the learned tables and the guard, as plain data."""
+        ids: dict[int, int] = {}
+
+        def rec(r: _Rec) -> int:
+            return ids.setdefault(id(r), len(ids))
+
+        records = {}
+        for r in [*self._records, *self._res.values(), *self._by_time]:
+            parked = None if r.parked is None else tuple(r.parked)
+            records[rec(r)] = (r.cls, r.time, r.turn, tuple(r.keys), r.alive, r.hist)
+            records[rec(r)] += (r.res, r.evictable, tuple(r.stack), parked, r.bin)
+            records[rec(r)] += (r.live, r.queued)
+        guard = self.guard
+        return {
+            **self._state(),
+            "records": sorted(records.items()),
+            "order": [rec(r) for r in self._records],
+            "by_time": [rec(r) for r in self._by_time],
+            "resident": sorted((k, rec(r)) for k, r in self._res.items()),
+            "history": sorted((k, rec(r)) for k, r in self._hist.items()),
+            "pinned": sorted(self._pinned),
+            "evictable": self._n_evictable,
+            "cells": [[rec(r) for r in cell] for cell in self._cells],
+            "wheel": [[rec(r) for r in w] for w in self._wheel],
+            "tables": (self._hits, self._risk, self._value, self._hazard, self._order),
+            "factors": (self._turn_factor, self._new_factor),
+            "counters": [self._hist_limit, self._chained, self._wake, self._holding, self._low]
+            + [self._now, self._stale, self._since_decay, self.requests]
+            + [None if self._ctx is None else rec(self._ctx)],
+            "guard": None if guard is None else guard.snapshot(),
+        }
+
     def __len__(self) -> int:
         return len(self._res)
 

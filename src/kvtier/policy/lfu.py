@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.policy.base import PolicyBase
@@ -39,7 +40,7 @@ class LFUPolicy(PolicyBase):
     def __init__(self, aging_period: int | None = None) -> None:
         if aging_period is not None and aging_period <= 0:
             raise ConfigError(f"aging_period must be positive, got {aging_period}")
-        self.capacity = 0
+        super().__init__()
         self._aging_period = aging_period
         self._count: dict[int, int] = {}
         self._pinned: set[int] = set()
@@ -53,11 +54,26 @@ class LFUPolicy(PolicyBase):
     def aging_period(self) -> int:
         if self._aging_period is not None:
             return self._aging_period
-        return 10 * (self.capacity or _UNBOUND_CAPACITY)
+        return 10 * (self.key_capacity or _UNBOUND_CAPACITY)
 
     def count(self, key: int) -> int:
         """The current (aged) hit count of a resident key, 0 if not resident."""
         return self._count.get(key, 0)
+
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "count": sorted(self._count.items()),
+            "pinned": sorted(self._pinned),
+            "buckets": sorted((c, list(b)) for c, b in self._buckets.items()),
+            "counts_heap": list(self._counts),
+            "in_heap": sorted(self._in_heap),
+            "history": list(self._history.items()),
+            "hits": self._hits,
+        }
 
     # -- buckets ---------------------------------------------------------------
     def _place(self, key: int, c: int) -> None:
@@ -77,7 +93,9 @@ class LFUPolicy(PolicyBase):
             del self._buckets[c]
 
     # -- transitions -------------------------------------------------------------
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         c = self._history.pop(key, 0) + 1
         self._count[key] = c
         if pinned:
@@ -120,6 +138,8 @@ class LFUPolicy(PolicyBase):
             self._pinned.remove(key)
         else:
             self._take(key, c)
+        if self._sizes:
+            self._forget_size(key)
         self._remember(key, c)
 
     def evict(self) -> int | None:
@@ -133,6 +153,8 @@ class LFUPolicy(PolicyBase):
                 if not bucket:
                     del buckets[c]
                 del self._count[key]
+                if self._sizes:
+                    self._forget_size(key)
                 self._remember(key, c)
                 return key
             heapq.heappop(counts)
@@ -143,7 +165,7 @@ class LFUPolicy(PolicyBase):
     def _remember(self, key: int, c: int) -> None:
         history = self._history
         history[key] = c
-        if len(history) > (self.capacity or _UNBOUND_CAPACITY):
+        if len(history) > (self.key_capacity or _UNBOUND_CAPACITY):
             history.popitem(last=False)
 
     def _age(self) -> None:

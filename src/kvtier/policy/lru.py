@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -22,16 +22,29 @@ class LRUPolicy(PolicyBase):
 
     name: ClassVar[str] = "lru"
 
-    __slots__ = ("_order", "_pinned", "capacity")
+    __slots__ = ("_order", "_pinned", "_size_extra", "_sizes", "capacity", "key_capacity")
 
     def __init__(self) -> None:
+        # Assigned here, not by PolicyBase.__init__: mypyc compiles this class
+        # and needs every attribute it touches declared in it.
         self.capacity = 0
+        self.key_capacity = 0
+        self._sizes: dict[int, int] = {}
+        self._size_extra = 0
         self._order: OrderedDict[int, None] = OrderedDict()
         self._pinned: set[int] = set()
 
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self._state(), "order": list(self._order), "pinned": sorted(self._pinned)}
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
         # The owner guarantees a key is inserted once (its index deduplicates);
         # check() verifies it, the hot path does not.
+        if size != 1:
+            self._record_size(key, size)
         if pinned:
             self._pinned.add(key)
         else:
@@ -61,7 +74,11 @@ class LRUPolicy(PolicyBase):
             raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned") from None
         self._order[key] = None
 
-    def insert_many(self, keys: Sequence[int], pinned: bool = False) -> None:
+    def insert_many(
+        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
+    ) -> None:
+        if sizes is not None:
+            self._record_sizes(keys, sizes)
         if pinned:
             self._pinned.update(keys)
         else:
@@ -86,17 +103,28 @@ class LRUPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if key in self._order:
             del self._order[key]
+        elif key in self._pinned:
+            self._pinned.remove(key)
         else:
-            self._pinned.discard(key)
+            return
+        if self._sizes:
+            self._forget_size(key)
 
     def evict(self) -> int | None:
         if not self._order:
             return None
-        return self._order.popitem(last=False)[0]
+        key = self._order.popitem(last=False)[0]
+        if self._sizes:
+            self._forget_size(key)
+        return key
 
     def evict_many(self, n: int) -> list[int]:
         popitem = self._order.popitem
-        return [popitem(False)[0] for _ in range(min(n, len(self._order)))]
+        victims = [popitem(False)[0] for _ in range(min(n, len(self._order)))]
+        if self._sizes:
+            for key in victims:
+                self._forget_size(key)
+        return victims
 
     def __len__(self) -> int:
         return len(self._order) + len(self._pinned)

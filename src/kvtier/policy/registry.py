@@ -16,7 +16,8 @@ from kvtier.policy.base import EvictionPolicy
 PolicyFactory = Callable[..., EvictionPolicy]
 _METHODS = (
     "bind", "admit", "insert", "access", "pin", "unpin", "remove", "evict",
-    "insert_many", "pin_many", "unpin_many", "access_many", "evict_many",
+    "insert_many", "pin_many", "unpin_many", "access_many", "evict_many", "evict_for",
+    "snapshot",
 )
 _REGISTRY: dict[str, PolicyFactory] = {}
 

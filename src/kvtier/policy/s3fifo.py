@@ -15,7 +15,8 @@ looks at.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.policy.base import PolicyBase
@@ -39,7 +40,7 @@ class S3FIFOPolicy(PolicyBase):
             raise ConfigError(f"small_ratio must be in (0, 1), got {small_ratio}")
         if not 0 <= promote_above < _MAX_FREQ:
             raise ConfigError(f"promote_above must be in [0, {_MAX_FREQ}), got {promote_above}")
-        self.capacity = 0
+        super().__init__()
         self.small_ratio = small_ratio
         self.promote_above = promote_above
         self._small: OrderedDict[int, None] = OrderedDict()
@@ -57,7 +58,23 @@ class S3FIFOPolicy(PolicyBase):
         return s, m, len(self._ghost)
 
     # -- transitions -------------------------------------------------------------
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "small": list(self._small),
+            "main": list(self._main),
+            "ghost": list(self._ghost),
+            "freq": sorted(self._freq.items()),
+            "pinned": sorted(self._pinned.items()),
+            "small_pinned": self._small_pinned,
+        }
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         in_main = key in self._ghost
         if in_main:
             del self._ghost[key]
@@ -98,6 +115,8 @@ class S3FIFOPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if self._freq.pop(key, None) is None:
             return
+        if self._sizes:
+            self._forget_size(key)
         if key in self._small:
             del self._small[key]
         elif key in self._main:
@@ -106,7 +125,7 @@ class S3FIFOPolicy(PolicyBase):
             self._small_pinned -= not self._pinned.pop(key)
 
     def evict(self) -> int | None:
-        small_target = max(1, int(self.small_ratio * (self.capacity or len(self))))
+        small_target = max(1, int(self.small_ratio * (self.key_capacity or len(self))))
         if self._small and (
             len(self._small) + self._small_pinned >= small_target or not self._main
         ):
@@ -125,9 +144,11 @@ class S3FIFOPolicy(PolicyBase):
                 main[key] = None
                 continue
             del freq[key]
+            if self._sizes:
+                self._forget_size(key)
             ghost = self._ghost
             ghost[key] = None
-            if len(ghost) > (self.capacity or len(self) + 1):
+            if len(ghost) > (self.key_capacity or len(self) + 1):
                 ghost.popitem(last=False)
             return key
         return None
@@ -143,6 +164,8 @@ class S3FIFOPolicy(PolicyBase):
                 main[key] = None
                 continue
             del freq[key]
+            if self._sizes:
+                self._forget_size(key)
             return key
         return None
 

@@ -17,7 +17,8 @@ puts the key back at the head with its visited bit.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
@@ -33,7 +34,7 @@ class SIEVEPolicy(PolicyBase):
     name: ClassVar[str] = "sieve"
 
     def __init__(self) -> None:
-        self.capacity = 0
+        super().__init__()
         self._ahead: OrderedDict[int, bool] = OrderedDict()
         self._behind: OrderedDict[int, bool] = OrderedDict()
         self._pinned: dict[int, bool] = {}
@@ -46,7 +47,20 @@ class SIEVEPolicy(PolicyBase):
         # The head is the newest end of the whole queue, i.e. the end of _ahead.
         self._ahead[key] = visited
 
-    def insert(self, key: int, pinned: bool = False) -> None:
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "ahead": list(self._ahead.items()),
+            "behind": list(self._behind.items()),
+            "pinned": sorted(self._pinned.items()),
+        }
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
         if pinned:
             self._pinned[key] = False
         else:
@@ -81,8 +95,10 @@ class SIEVEPolicy(PolicyBase):
             self._wrap()
         elif key in self._behind:
             del self._behind[key]
-        else:
-            self._pinned.pop(key, None)
+        elif self._pinned.pop(key, None) is None:
+            return
+        if self._sizes:
+            self._forget_size(key)
 
     def evict(self) -> int | None:
         # Terminates: a full sweep clears every bit.
@@ -93,6 +109,8 @@ class SIEVEPolicy(PolicyBase):
                 self._wrap()
                 continue
             self._wrap()
+            if self._sizes:
+                self._forget_size(key)
             return key
         return None
 

@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.integrations.vllm.version import CACHE_POLICY_API, require_vllm
 from kvtier.policy import available_policies, make_policy
-from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.base import EvictionPolicy, PolicyBase, admit_chain
 
 VLLM = require_vllm(CACHE_POLICY_API)
 
@@ -166,13 +166,7 @@ class KvtierCachePolicy(CachePolicy):  # type: ignore[misc]
             ids.reverse()
             policy.insert_many(ids)
             return
-        cut = len(ids)
-        if self._filtering:
-            # Every key is shown to the filter, in chain order; the first decline
-            # ends what is admitted.
-            admitted = [policy.admit(kid) for kid in ids]
-            if not all(admitted):
-                cut = admitted.index(False)
+        cut = admit_chain(policy.admit, ids) if self._filtering else len(ids)
         for i in range(len(ids) - 1, -1, -1):
             kid = ids[i]
             if i < cut:
