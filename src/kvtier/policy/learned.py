@@ -777,12 +777,12 @@ class LearnedReusePolicy(PolicyBase):
         def rec(r: _Rec) -> int:
             return ids.setdefault(id(r), len(ids))
 
-        records = {}
+        records: dict[int, list[object]] = {}
         for r in [*self._records, *self._res.values(), *self._by_time]:
-            parked = None if r.parked is None else tuple(r.parked)
-            records[rec(r)] = (r.cls, r.time, r.turn, tuple(r.keys), r.alive, r.hist)
-            records[rec(r)] += (r.res, r.evictable, tuple(r.stack), parked, r.bin)
-            records[rec(r)] += (r.live, r.queued)
+            parked = None if r.parked is None else list(r.parked)
+            fields: list[object] = [r.cls, r.time, r.turn, list(r.keys), r.alive, r.hist]
+            fields += [r.res, r.evictable, list(r.stack), parked, r.bin, r.live, r.queued]
+            records[rec(r)] = fields
         guard = self.guard
         return {
             **self._state(),
@@ -797,9 +797,11 @@ class LearnedReusePolicy(PolicyBase):
             "wheel": [[rec(r) for r in w] for w in self._wheel],
             "tables": (self._hits, self._risk, self._value, self._hazard, self._order),
             "factors": (self._turn_factor, self._new_factor),
-            "counters": [self._hist_limit, self._chained, self._wake, self._holding, self._low]
-            + [self._now, self._stale, self._since_decay, self.requests]
-            + [None if self._ctx is None else rec(self._ctx)],
+            "counters": [
+                *(self._hist_limit, self._chained, self._wake, self._holding, self._low),
+                *(self._now, self._stale, self._since_decay, self.requests),
+                None if self._ctx is None else rec(self._ctx),
+            ],
             "guard": None if guard is None else guard.snapshot(),
         }
 
