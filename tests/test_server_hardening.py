@@ -470,10 +470,10 @@ def test_plain_text_response_format_is_accepted(server: Server) -> None:
 
 
 def test_two_servers_on_one_redis_share_a_prompt_at_once() -> None:
-    from redis_servers import RedisServer, redis_server_available
+    from needs import need_redis_server
+    from redis_servers import RedisServer
 
-    if not redis_server_available():
-        pytest.skip("redis-server / redis-cli are not installed")
+    need_redis_server()
     from kvtier.offload.config import TierSpec
 
     content = "a long shared question " * 12

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from redis_servers import RedisServer, command, redis_server_available
+from needs import need_redis_server
+from redis_servers import RedisServer, command
 
 from kvtier import KVCacheManager
 from kvtier.engine import KvTierCache
@@ -30,9 +31,9 @@ from kvtier.storage import KVBlockStorage
 BS = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, dtype="float32")
 
-needs_redis = pytest.mark.skipif(
-    not redis_server_available(), reason="redis-server / redis-cli are not installed"
-)
+@pytest.fixture
+def needs_redis() -> None:
+    need_redis_server()
 
 
 def device(num_blocks: int = 8) -> tuple[KVBlockStorage, KVCacheManager]:
@@ -58,7 +59,7 @@ def warnings_from(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
     ]
 
 
-@needs_redis
+@pytest.mark.usefixtures("needs_redis")
 def test_a_redis_outage_is_logged_once_and_its_end_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -90,7 +91,7 @@ def test_a_redis_outage_is_logged_once_and_its_end_once(
         chain.close()
 
 
-@needs_redis
+@pytest.mark.usefixtures("needs_redis")
 def test_blocks_redis_lost_leave_the_bookkeeping(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvtier")
     with RedisServer() as server:
