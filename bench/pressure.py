@@ -168,7 +168,7 @@ def simulate(
                 host.complete_store(out.keys_to_store)
                 res.demoted_blocks += len(out.keys_to_store)
 
-        mgr.pool.evict_listener = demote
+        mgr.add_evict_listener(demote)
     started = time.perf_counter()
     pending = deque(
         _Req(

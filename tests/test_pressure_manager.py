@@ -112,7 +112,7 @@ def test_offload_sends_target_evictions_through_the_listener(offload: bool) -> N
     mgr, ctrl, mon = gated(16, actions)
     keys = fill_cache(mgr, 4, 4)
     announced: list[int] = []
-    mgr.pool.evict_listener = lambda ks, blocks: announced.extend(ks)
+    mgr.add_evict_listener(lambda ks, blocks: announced.extend(ks))
     to_mode(ctrl, mon, 0.92)
     mgr.gc(0)  # any allocation-side call reaches the target; gc(0) evicts nothing itself
     assert mgr.pool.num_empty >= 4

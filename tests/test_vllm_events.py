@@ -70,7 +70,7 @@ def test_vllm_subscriber_decodes_exact_events() -> None:
             assert pub.drain(host) == 3
             # The device cached a two-block chain below block 9, then evicted one.
             pub.stored([10, 11], parent=9, token_ids=range(8), block_size=4, medium="device")
-            pub.on_device_evict([10], [0])
+            pub.removed([10], medium="device")
             pub.removed([2 << 100], medium="redis")
             pub.cleared()
             assert pub.pending == 7

@@ -36,7 +36,7 @@ from kvtier.errors import (
 from kvtier.keys import BlockHasher, ExtraKey, Namespace
 from kvtier.policy.base import EvictionPolicy, RequestHook, request_hook
 from kvtier.policy.registry import make_policy
-from kvtier.pool import BlockPool
+from kvtier.pool import STORED, BlockPool, EvictListener, JournalEntry
 from kvtier.pressure.ladder import ModeActions
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,10 @@ class KVCacheManager:
         req.keys = keys[:n_hit]
         self._requests[request_id] = req
         if n_full > n_hit:
-            self._publish(req, keys, n_full)
+            tokens = None
+            if pool.journal is not None:
+                tokens = token_ids[n_hit * bs : n_full * bs]
+            self._publish(req, keys, n_full, tokens)
         if req.chain_open:
             req.tail = tail
         self._allocations += 1
@@ -402,14 +405,26 @@ class KVCacheManager:
         self._after_growth()
         return Allocation(request_id, n_hit * bs, table.copy(), new_blocks)
 
-    def _publish(self, req: _Request, keys: Sequence[int], upto: int) -> None:
-        """Publish the request's full blocks ``len(req.keys) .. upto-1`` under ``keys``."""
+    def _publish(
+        self,
+        req: _Request,
+        keys: Sequence[int],
+        upto: int,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        """Publish the request's full blocks ``len(req.keys) .. upto-1`` under ``keys``.
+
+        ``tokens`` (those blocks' token ids) are needed only while the pool
+        keeps a journal: the stored event carries them.
+        """
         own = req.keys
         start = len(own)
-        results = self.pool.commit_chain(
-            req.table.blocks[start:upto], keys[start:upto], own[-1] if own else None
-        )
+        parent = own[-1] if own else None
+        results = self.pool.commit_chain(req.table.blocks[start:upto], keys[start:upto], parent)
         blocks = req.table.blocks
+        journal = self.pool.journal
+        if journal is not None and tokens is not None:
+            self._journal_stored(journal, results, blocks, keys, start, parent, tokens)
         for i, cached in enumerate(results, start):
             if cached < 0:
                 # Admission declined this block: the ones before it are published.
@@ -424,6 +439,39 @@ class KVCacheManager:
                 req.shadow[i] = cached
                 self._duplicates += 1
         own.extend(keys[start:upto])
+
+    def _journal_stored(
+        self,
+        journal: list[JournalEntry],
+        results: list[int],
+        blocks: list[int],
+        keys: Sequence[int],
+        start: int,
+        parent: int | None,
+        tokens: Sequence[int],
+    ) -> None:
+        """Record the blocks ``commit_chain`` made cached (not duplicates or declines).
+
+        One entry per unbroken run, each with its parent key, as KV events carry them.
+        """
+        bs = self.block_size
+        run: list[int] = []
+        run_tokens: list[int] = []
+        run_parent = -1 if parent is None else parent
+        for j, cached in enumerate(results):
+            i = start + j
+            if cached < 0:
+                break
+            if cached == blocks[i]:
+                if not run:
+                    run_parent = keys[i - 1] if i > 0 else run_parent
+                run.append(keys[i])
+                run_tokens.extend(tokens[j * bs : (j + 1) * bs])
+            elif run:
+                journal.append((STORED, run, run_parent, run_tokens))
+                run, run_tokens = [], []
+        if run:
+            journal.append((STORED, run, run_parent, run_tokens))
 
     def extend(
         self,
@@ -473,11 +521,17 @@ class KVCacheManager:
                 req.tail.extend(new_tokens)
             elif block_keys is not None:
                 rest = new_n % bs
+                filled = None
+                if pool.journal is not None:
+                    filled = list(req.tail) + list(new_tokens[: n_new - rest])
                 req.tail = new_tokens[n_new - rest :] if rest else array("I")
-                self._publish(req, [*req.keys, *block_keys], n_full)
+                self._publish(req, [*req.keys, *block_keys], n_full, filled)
             else:
                 req.tail.extend(new_tokens)
-                self._publish(req, self._extend_keys(req, n_full), n_full)
+                filled = None
+                if pool.journal is not None:
+                    filled = list(req.tail[: (n_full - len(req.keys)) * bs])
+                self._publish(req, self._extend_keys(req, n_full), n_full, filled)
         self._after_growth()
         return Extension(table.copy(), new_blocks, copies)
 
@@ -500,6 +554,19 @@ class KVCacheManager:
         del self._requests[request_id]
         self.pool.release(req.held_blocks())
         self._after_growth()
+
+    def free_and_drop(self, request_id: RequestId) -> int:
+        """End a request and drop its blocks that no other request holds; returns how many.
+
+        For a request whose blocks were copied elsewhere (swapped out to a
+        tier): they leave the device now instead of waiting to be evicted,
+        and are not announced to the evict listeners (they are stored already).
+        """
+        req = self._get(request_id)
+        held = req.held_blocks()
+        self.free(request_id)
+        ref = self.pool.ref
+        return self.pool.withdraw([b for b in reversed(held) if ref[b] == 0])
 
     def abort(self, request_id: RequestId, num_computed_tokens: int) -> int:
         """End a request whose KV was written only for its first ``num_computed_tokens`` tokens.
@@ -564,7 +631,30 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds (e.g. after a weight update)."""
-        return self.gc()
+        freed = self.pool.clear_cache()
+        self._after_growth()
+        return freed
+
+    # -- ports -----------------------------------------------------------------------
+    def add_evict_listener(self, listener: EvictListener) -> None:
+        """Hear of cached blocks an eviction is about to free (see :class:`BlockPool`)."""
+        self.pool.add_evict_listener(listener)
+
+    def remove_evict_listener(self, listener: EvictListener) -> None:
+        self.pool.remove_evict_listener(listener)
+
+    def record_events(self, on: bool = True) -> None:
+        """Start (or stop) recording KV events for :meth:`take_events`."""
+        self.pool.record_journal(on)
+
+    def take_events(self) -> list[JournalEntry]:
+        """KV events since the last call: ``(kind, keys, parent key or -1, token ids)``.
+
+        ``kind`` is :data:`kvtier.pool.STORED` (blocks became cached, with
+        their token ids), ``REMOVED`` (blocks left the device) or ``CLEARED``
+        (every cached block left). Empty unless :meth:`record_events` is on.
+        """
+        return self.pool.take_journal()
 
     def stats(self) -> CacheStats:
         pool = self.pool

@@ -23,10 +23,18 @@ implies a held parent.
 
 All methods that can fail check first and then mutate, so a failure leaves
 the pool exactly as it was.
+
+Two ports let others follow the pool without reaching into it: any number of
+*evict listeners* (:meth:`BlockPool.add_evict_listener`) hear of blocks an
+eviction is about to free while their payloads are intact (the tier chain
+copies them down), and the *journal* (:attr:`BlockPool.journal`, when
+enabled) records every block that becomes cached or leaves, in order, for KV
+events; the manager drains it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
@@ -35,6 +43,16 @@ from mypy_extensions import mypyc_attr
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.policy.base import EvictionPolicy, PolicyBase, admit_chain
 from kvtier.policy.lru import LRUPolicy
+
+log = logging.getLogger(__name__)
+
+#: Journal entry kinds: blocks became cached, blocks left, every cached block left.
+STORED = 0
+REMOVED = 1
+CLEARED = 2
+#: ``(kind, keys, parent key or -1, token ids)``; tokens only for STORED, filled by the manager.
+JournalEntry = tuple[int, list[int], int, list[int]]
+EvictListener = Callable[[list[int], list[int]], None]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -70,10 +88,39 @@ class BlockPool:
         self.evictions = 0
         self.cascade_evictions = 0
         self.declined = 0
-        #: Called with the ``(keys, blocks)`` that eviction (never a withdrawal)
-        #: is about to free, while their payloads are still intact: the tier
-        #: chain copies them down before allocate hands the blocks out again.
-        self.evict_listener: Callable[[list[int], list[int]], None] | None = None
+        # Called with the ``(keys, blocks)`` that eviction (never a withdrawal)
+        # is about to free, while their payloads are still intact.
+        self._listeners: list[EvictListener] = []
+        #: Evict listeners that raised (the eviction went on without them).
+        self.listener_errors = 0
+        #: Blocks that became cached or left, in order (``None``: not recorded).
+        self.journal: list[JournalEntry] | None = None
+
+    # -- ports -------------------------------------------------------------
+    def add_evict_listener(self, listener: EvictListener) -> None:
+        """Call ``listener(keys, blocks)`` before an eviction frees cached blocks.
+
+        The keys and blocks come children first, payloads still intact; a
+        withdrawal (blocks that hold nothing valid) is never announced.
+        """
+        self._listeners.append(listener)
+
+    def remove_evict_listener(self, listener: EvictListener) -> None:
+        """Stop calling ``listener`` (a listener that is not there is ignored)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def record_journal(self, on: bool = True) -> None:
+        """Start (or stop) recording :attr:`journal`; starting clears it."""
+        self.journal = [] if on else None
+
+    def take_journal(self) -> list[JournalEntry]:
+        """The journal's entries since the last call (empty when not recording)."""
+        journal = self.journal
+        if not journal:
+            return []
+        self.journal = []
+        return journal
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -249,9 +296,10 @@ class BlockPool:
         free = self._free
         evicted = 0
         cascaded = False
-        listener = self.evict_listener
-        if listener is not None and announce:
-            self._announce(victims, listener)
+        if announce and self._listeners:
+            self._announce(victims)
+        journal = self.journal
+        dropped: list[int] = []
         for key in victims:
             b = cached.pop(key, None)
             if b is None:
@@ -274,12 +322,14 @@ class BlockPool:
                     self._unlink(b)
             free.append(b)
             evicted += 1
+            if journal is not None:
+                dropped.append(key)
         self.evictions += evicted
+        if journal is not None and dropped:
+            journal.append((REMOVED, dropped, -1, []))
 
-    def _announce(
-        self, victims: list[int], listener: Callable[[list[int], list[int]], None]
-    ) -> None:
-        """Tell ``listener`` about ``victims`` and their cached subtrees, children first."""
+    def _announce(self, victims: list[int]) -> None:
+        """Tell the listeners about ``victims`` and their cached subtrees, children first."""
         cached = self._cached
         block_key = self.block_key
         keys: list[int] = []
@@ -303,7 +353,12 @@ class BlockPool:
                         keys.append(k)
                         blocks.append(x)
         if keys:
-            listener(keys, blocks)
+            for listener in list(self._listeners):
+                try:
+                    listener(keys, blocks)
+                except Exception:  # a listener must never break the pool's eviction
+                    self.listener_errors += 1
+                    log.exception("an evict listener failed on %d blocks", len(keys))
 
     def _evict_subtree(self, root: int) -> None:
         """Evict the cached descendants of block ``root`` to the free list, children first."""
@@ -317,15 +372,19 @@ class BlockPool:
         if any(ref[b] for b in order):
             raise InternalInvariantError("a cascade would evict a block that a request holds")
         remove = self.policy.remove
+        gone: list[int] = []
         for b in reversed(order):
             key = self.block_key[b]
             assert key is not None
             remove(key)
             del self._cached[key]
+            gone.append(key)
             self.block_key[b] = None
             self._unlink(b)
             self._free.append(b)
         self.cascade_evictions += len(order)
+        if self.journal is not None and gone:
+            self.journal.append((REMOVED, gone, -1, []))
 
     def evict(self, n: int, announce: bool = True) -> int:
         """Reclaim up to ``n`` evictable blocks now, in the policy's order; returns how many.
@@ -341,7 +400,10 @@ class BlockPool:
 
     def clear_cache(self) -> int:
         """Evict every cached block that no request holds; returns how many."""
-        return self.evict(self.num_blocks)
+        n = self.evict(self.num_blocks)
+        if self.journal is not None and not self._cached:
+            self.journal.append((CLEARED, [], -1, []))
+        return n
 
     def withdraw(self, blocks: Sequence[int]) -> int:
         """Unpublish cached ``blocks`` whose payload is not valid; returns how many.
@@ -370,6 +432,7 @@ class BlockPool:
             stack.extend(self.children_of(c))
         remove = self.policy.remove
         cached = self._cached
+        gone: list[int] = []
         for b in reversed(targets):
             if self.first_child[b] >= 0:
                 self._evict_subtree(b)
@@ -377,10 +440,13 @@ class BlockPool:
             assert key is not None
             remove(key)
             del cached[key]
+            gone.append(key)
             block_key[b] = None
             self._unlink(b)
             if not ref[b]:
                 self._free.append(b)
+        if self.journal is not None:
+            self.journal.append((REMOVED, gone, -1, []))
         return len(targets)
 
     # -- committing -----------------------------------------------------------

@@ -169,6 +169,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         write_mode=args.write_mode,
         pressure=_pressure_spec(args),
         sampling_defaults=sampling or None,
+        kv_events=args.kv_events,
     )
 
 
@@ -519,6 +520,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     _add_limits(serve)
     _add_tiers(serve)
     _add_pressure(serve)
+    serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events (blocks stored / removed, per medium) on this ZeroMQ endpoint "
+        "in vLLM's format, e.g. tcp://*:5557; consumers of vLLM's events read them unchanged",
+    )
     serve.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),

@@ -141,6 +141,8 @@ class EngineConfig:
     pressure: PressureSpec | None = None
     #: ``temperature`` / ``top_p`` for requests that leave them out (``None``: the model's).
     sampling_defaults: Mapping[str, float] | None = None
+    #: A ZeroMQ endpoint to publish KV events on, in vLLM's format (``None``: off).
+    kv_events: str | None = None
 
     def __post_init__(self) -> None:
         from kvtier.engine.model import resolve_dtype

@@ -119,6 +119,7 @@ class Engine:
         tiers: Sequence[Tier | TierSpec] = (),
         write_mode: str | None = None,
         pressure: PressureSpec | PressureController | None = None,
+        kv_events: str | None = None,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -174,6 +175,13 @@ class Engine:
             self.pressure = pressure
             self.manager.set_pressure_gate(pressure)
             pressure.start()
+        #: KV events (blocks stored / removed) published in vLLM's format (``None``: off).
+        self.events: Any = None
+        if kv_events is not None:
+            from kvtier.integrations.vllm.events import KvEventPublisher
+
+            self.events = KvEventPublisher(kv_events, topic="kv-events", block_size=block_size)
+            self.manager.record_events()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = budget
@@ -217,6 +225,7 @@ class Engine:
             write_mode=write_mode,
             pressure=pressure if isinstance(pressure, PressureSpec) else None,
             sampling_defaults=dict(self.sampling_defaults),
+            kv_events=kv_events,
         )
 
     @classmethod
@@ -242,6 +251,7 @@ class Engine:
             "tiers": config.tiers,
             "write_mode": config.write_mode,
             "pressure": config.pressure,
+            "kv_events": config.kv_events,
         }
         if config.sampling_defaults is not None:
             kwargs["sampling_defaults"] = dict(config.sampling_defaults)
@@ -294,6 +304,8 @@ class Engine:
                 f"memory pressure from {p.monitor.name} every {p.interval:g}s; "
                 f"mode {p.mode.name} at {100 * p.fraction:.1f}%"
             )
+        if self.events is not None:
+            lines.append(f"KV events (vLLM's format) published on {self.events.endpoint}")
         return lines
 
     @classmethod
@@ -441,6 +453,9 @@ class Engine:
             self.pressure.close()
         if self.tiers is not None:
             self.tiers.close()
+        if self.events is not None:
+            self._publish_events()
+            self.events.close()
 
     @property
     def num_waiting(self) -> int:
@@ -464,7 +479,20 @@ class Engine:
         elif any(s.load is not None for s in self._running):
             # Nothing can compute until a load is in: wait for one instead of spinning.
             self._finish_loads(outs, wait=True)
+        if self.events is not None:
+            self._publish_events()
         return outs
+
+    def _publish_events(self) -> None:
+        """Send the step's KV events: the device's, then the tiers'."""
+        events = self.events
+        try:
+            events.drain_device(self.manager)
+            if self.tiers is not None:
+                events.drain(self.tiers)
+            events.flush()
+        except Exception:  # a subscriber problem never stops the engine
+            log.exception("publishing KV events failed")
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None

@@ -233,7 +233,7 @@ class TierChain:
             if tier.store.caps.persistent:
                 self._adopt_persistent(tier)
         if self.tiers[0].writes_back:
-            manager.pool.evict_listener = self._on_device_evict
+            manager.add_evict_listener(self._on_device_evict)
 
     # -- restart ---------------------------------------------------------------------
     def _adopt_persistent(self, tier: Tier) -> None:
@@ -760,16 +760,8 @@ class TierChain:
             if rest > 0 and n_full < len(blocks):
                 tail_key = _tail_key(mgr.hasher.root, request_id, token_ids[:num_computed_tokens])
                 self._store_blocks(0, [tail_key], [blocks[n_full]], cascade=True)
-            mgr.free(request_id)
             # Blocks nobody else holds leave the device now: that is the point of a swap.
-            mine = [b for b in blocks[n_full:] if mgr.pool.ref[b] == 0]
-            full_free = [b for b in blocks[:n_full] if mgr.pool.ref[b] == 0]
-            listener = mgr.pool.evict_listener
-            mgr.pool.evict_listener = None
-            try:
-                mgr.pool.withdraw(full_free + mine)
-            finally:
-                mgr.pool.evict_listener = listener
+            mgr.free_and_drop(request_id)
             return SwappedRequest(
                 request_id,
                 tuple(token_ids),
@@ -831,8 +823,7 @@ class TierChain:
             return
         self._closed = True
         self.flush()
-        if self.manager.pool.evict_listener == self._on_device_evict:
-            self.manager.pool.evict_listener = None
+        self.manager.remove_evict_listener(self._on_device_evict)
         if self._own_transfer:
             self.transfer.shutdown()
         for tier in self.tiers:

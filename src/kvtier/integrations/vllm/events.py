@@ -5,8 +5,10 @@ engine holds, on which medium) can follow kvtier the same way.
 :class:`KvEventPublisher` turns kvtier's events into vLLM's event structs:
 
 * ``stored(keys, ...)`` / ``removed(keys, ...)`` / ``cleared()``: blocks that
-  became cached, left, or all left (for example the device pool; its
-  ``evict_listener`` signature is :meth:`KvEventPublisher.on_device_evict`);
+  became cached, left, or all left;
+* :meth:`KvEventPublisher.drain_device`: the device's events, from a
+  :class:`~kvtier.KVCacheManager` recording them (``record_events()``), with
+  the token ids of every stored block;
 * :meth:`KvEventPublisher.add` / :meth:`KvEventPublisher.drain`: the
   :class:`kvtier.offload.OffloadingEvent` s of an offloading manager or a tier
   chain (``take_events()``);
@@ -164,6 +166,14 @@ def load_schema(structs: Structs = "auto") -> _Schema:
     return _Schema("vllm", module)
 
 
+class _DeviceEvents(Protocol):
+    """What :meth:`KvEventPublisher.drain_device` reads: a manager recording events."""
+
+    block_size: int
+
+    def take_events(self) -> list[tuple[int, list[int], int, list[int]]]: ...
+
+
 class _EventSource(Protocol):
     def take_events(self) -> Iterable[OffloadingEvent]: ...
 
@@ -302,10 +312,30 @@ class KvEventPublisher:
         """Queue an ``AllBlocksCleared``."""
         return self._push(self.schema.cleared())
 
-    def on_device_evict(self, keys: list[int], blocks: list[int]) -> None:
-        """``BlockPool.evict_listener``: the device pool evicted ``keys``."""
-        if keys:
-            self.removed(keys, medium="device")
+    def drain_device(self, manager: _DeviceEvents, *, lora_id: int | None = None) -> int:
+        """Queue the device's events since the last call (``manager.take_events()``).
+
+        ``manager`` is a :class:`~kvtier.KVCacheManager` with ``record_events()``
+        on; returns how many events were queued.
+        """
+        from kvtier.pool import CLEARED, STORED
+
+        n = 0
+        for kind, keys, parent, tokens in manager.take_events():
+            if kind == STORED:
+                self.stored(
+                    keys,
+                    parent=None if parent < 0 else parent,
+                    token_ids=tokens,
+                    block_size=manager.block_size,
+                    lora_id=lora_id,
+                )
+            elif kind == CLEARED:
+                self.cleared()
+            else:
+                self.removed(keys)
+            n += 1
+        return n
 
     def add(self, event: OffloadingEvent) -> Any:
         """Queue the vLLM event for one kvtier :class:`~kvtier.offload.OffloadingEvent`."""
