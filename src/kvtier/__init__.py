@@ -73,6 +73,7 @@ from kvtier.pressure import (
 )
 from kvtier.replay import (
     Capacity,
+    ClusterConfig,
     Trace,
     TraceRequest,
     belady_min,
@@ -80,6 +81,7 @@ from kvtier.replay import (
     load_trace,
     parse_capacity,
     simulate,
+    simulate_cluster,
 )
 
 __version__ = "0.1.0"
@@ -105,6 +107,8 @@ __all__ = [
     "make_admission",
     "parse_capacity",
     "simulate",
+    "ClusterConfig",
+    "simulate_cluster",
     "AdmissionRejectedError",
     "Allocation",
     "BadRequestError",
