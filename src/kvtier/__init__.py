@@ -3,7 +3,8 @@
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
 device block pool, eviction and admission policies, the
 request-level :class:`KVCacheManager`, memory-pressure control
-(:mod:`kvtier.pressure`), and trace replay (:mod:`kvtier.replay`).
+(:mod:`kvtier.pressure`), trace replay (:mod:`kvtier.replay`), and one
+manager over several devices' pools (:mod:`kvtier.placement`).
 
 The parts that need PyTorch and transformers load on first use, so ``import
 kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
@@ -22,6 +23,7 @@ from kvtier.errors import (
     DuplicateRequestError,
     InternalInvariantError,
     KvTierError,
+    MigrationError,
     MonitorUnavailableError,
     OutOfBlocksError,
     TierUnavailableError,
@@ -36,6 +38,7 @@ from kvtier.keys import HASH_ALGORITHMS, BlockHasher, Namespace
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvtier.placement import DevicePool, Growth, Move, MultiDeviceManager, Placement
 from kvtier.policy import (
     AdmissionFilter,
     Admitted,
@@ -109,6 +112,12 @@ __all__ = [
     "simulate",
     "ClusterConfig",
     "simulate_cluster",
+    "DevicePool",
+    "Growth",
+    "MigrationError",
+    "Move",
+    "MultiDeviceManager",
+    "Placement",
     "AdmissionRejectedError",
     "Allocation",
     "BadRequestError",
@@ -167,6 +176,8 @@ _LAZY = {
     "Engine": "kvtier.engine",
     "EngineWorker": "kvtier.engine",
     "SamplingParams": "kvtier.engine",
+    "migrate": "kvtier.engine.migrate",
+    "migrate_between": "kvtier.engine.migrate",
     "create_app": "kvtier.server",
     "Tier": "kvtier.offload.chain",
     "TierChain": "kvtier.offload.chain",
