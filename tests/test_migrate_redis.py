@@ -192,6 +192,30 @@ def test_a_streaming_client_keeps_streaming_while_its_request_moves(
         assert stats["engine"]["computed_prompt_tokens"] == 1
 
 
+def test_a_client_leaving_after_a_move_cancels_the_request_where_it_runs(
+    redis_server: RedisServer,
+) -> None:
+    with serving(engine(redis_server.url)) as a, serving(engine(redis_server.url)) as b:
+        stream = a.client().completions.create(
+            model=MODEL, prompt=TEXT, max_tokens=400, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        rid = _get(f"{a.base}/admin/requests")["requests"][0]["request_id"]
+        status, body = _post(f"{a.base}/admin/migrate", {"request_id": rid, "target": b.base})
+        assert status == 200, body
+        next(chunks)
+        stream.close()  # the client goes away
+        deadline = time.monotonic() + 30
+        while _get(f"{b.base}/admin/requests")["requests"]:
+            assert time.monotonic() < deadline, "the moved request was never cancelled"
+            time.sleep(0.05)
+        finished = _get(f"{b.v1}/cache/stats")["engine"]["finished"]
+        assert finished == {"abort": 1}
+        assert _get(f"{a.base}/admin/requests")["requests"] == []
+
+
 @pytest.mark.parametrize("target", ["down", "other-model"])
 def test_a_refused_move_leaves_the_request_streaming_from_its_server(
     redis_server: RedisServer, target: str

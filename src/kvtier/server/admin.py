@@ -23,11 +23,12 @@ kvtier servers, not OpenAI clients.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
@@ -47,6 +48,8 @@ log = logging.getLogger("kvtier.server.admin")
 
 #: Seconds a move may wait for either engine, and for the target to answer.
 MIGRATE_TIMEOUT_S = 30.0
+#: Seconds the relay of a moved request waits for the next output before giving up.
+STREAM_IDLE_TIMEOUT_S = 600.0
 NDJSON = "application/x-ndjson"
 
 
@@ -177,6 +180,36 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def _open_stream(
+    url: str, body: dict[str, Any], timeout: float
+) -> tuple[http.client.HTTPResponse, dict[str, Any]]:
+    """POST ``body``; the streaming response (its socket then waits longer) and its first line."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise MigrationError(f"the target must be an http(s)://host:port URL, got {url!r}")
+    conn_type = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )
+    conn = conn_type(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request(
+            "POST", parts.path, body=json_bytes(body), headers={"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        if response.status != 200:
+            raise MigrationError(f"the target refused the request: {_error_text(response)}")
+        first = json.loads(response.readline() or b"{}")
+        if not first.get("accepted"):
+            raise MigrationError(f"the target did not accept the request: {first}")
+    except BaseException:
+        conn.close()
+        raise
+    # Outputs may be far apart (a long queue there): only a silent peer ends the relay.
+    if conn.sock is not None:
+        conn.sock.settimeout(STREAM_IDLE_TIMEOUT_S)
+    return response, first
+
+
 def migrate_to(
     worker: EngineWorker, request_id: str, target: str, *, timeout: float = MIGRATE_TIMEOUT_S
 ) -> dict[str, Any]:
@@ -188,18 +221,9 @@ def migrate_to(
     base = target.rstrip("/")
     dep: Departure = worker.call(lambda e: detach(e, request_id, via="tier"), timeout)
     try:
-        response = _post(f"{base}/admin/migrate/accept", dep.state(), timeout)
-        try:
-            first = json.loads(response.readline() or b"{}")
-            if not first.get("accepted"):
-                raise MigrationError(f"the target did not accept the request: {first}")
-        except BaseException:
-            response.close()
-            raise
+        response, first = _open_stream(f"{base}/admin/migrate/accept", dep.state(), timeout)
     except BaseException as exc:
         worker.call(lambda e: restore(e, dep), timeout)
-        if isinstance(exc, urllib.error.HTTPError):
-            raise MigrationError(f"the target refused the request: {_error_text(exc)}") from exc
         if isinstance(exc, MigrationError):
             raise
         raise MigrationError(f"cannot reach the target {base}: {exc}") from exc
@@ -215,12 +239,13 @@ def migrate_to(
     return {"moved": True, "request_id": request_id, "target": base, "target_request_id": remote}
 
 
-def _error_text(exc: urllib.error.HTTPError) -> str:
+def _error_text(response: Any) -> str:
+    """The message of an error answer (OpenAI's error body), or its status."""
     try:
-        body = json.loads(exc.read() or b"{}")
-    except ValueError:
-        return f"HTTP {exc.code}"
-    return str(body.get("error", {}).get("message") or body) if isinstance(body, dict) else ""
+        body = json.loads(response.read() or b"{}")
+        return str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status}"
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
