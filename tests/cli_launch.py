@@ -1,7 +1,7 @@
 """Running ``kvtier`` in a subprocess the way the tests import it.
 
 conftest installs the source-only import switch when KVTIER_PURE_PYTHON=1,
-so the child imports kvtier exactly as the test session does.
+so the child imports kvtier exactly as the tests do.
 """
 
 from __future__ import annotations
