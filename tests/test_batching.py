@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from tiny_model import tiny_model_and_tokenizer  # noqa: E402
+from tiny_model import solo_greedy, tiny_model_and_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.offload.chain import Tier  # noqa: E402
@@ -35,19 +35,6 @@ from kvtier.offload.disk import DiskStore  # noqa: E402
 @pytest.fixture(scope="module")
 def model_tok() -> tuple[Any, Any]:
     return tiny_model_and_tokenizer()
-
-
-def solo_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of the plain model, full recomputation each step (no kvtier at all)."""
-    ids = list(prompt)
-    out: list[int] = []
-    for _ in range(n):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-        tok = int(torch.argmax(logits))
-        out.append(tok)
-        ids.append(tok)
-    return out
 
 
 def run_all(engine: Engine, arrivals: Sequence[tuple[int, list[int], int]]) -> dict[str, list[int]]:

@@ -14,22 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_launch import kvtier_cli
 
 from kvtier.cli import main, parse_memory_size
 from kvtier.errors import ConfigError
 
-TESTS = Path(__file__).parent
-
-# Runs the CLI the way the tests import kvtier: conftest installs the
-# source-only import switch when KVTIER_PURE_PYTHON=1.
-_LAUNCH = (
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); import conftest; "
-    "from kvtier.cli import main; sys.exit(main(sys.argv[1:]))"
-)
-
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", _LAUNCH, str(TESTS), *args]
+    return kvtier_cli(*args)
 
 
 def test_serve_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:

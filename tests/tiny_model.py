@@ -4,7 +4,9 @@
 (seeded, so greedy output is reproducible) and a fast tokenizer whose vocab
 is a few special tokens plus every printable ASCII character, tab and
 newline; its ChatML-like chat template ends with the assistant header.
-:func:`tiny_engine` wraps them in an :class:`~kvtier.engine.Engine`.
+:func:`tiny_engine` wraps them in an :class:`~kvtier.engine.Engine`;
+:func:`solo_greedy` is the plain model's greedy output, the reference that
+generation through kvtier must match.
 """
 
 from __future__ import annotations
@@ -76,3 +78,18 @@ def tiny_engine(**engine_kwargs: Any) -> Any:
     model, tok = tiny_model_and_tokenizer()
     engine_kwargs.setdefault("model_id", "tiny")
     return Engine(model, tok, **engine_kwargs)
+
+
+def solo_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of the plain model, full recomputation each step (no kvtier at all)."""
+    import torch
+
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        ids.append(tok)
+    return out

@@ -3,7 +3,8 @@
 The public API: block keys (:class:`BlockHasher`, :class:`Namespace`), the
 device block pool, eviction and admission policies, the
 request-level :class:`KVCacheManager`, memory-pressure control
-(:mod:`kvtier.pressure`), and trace replay (:mod:`kvtier.replay`).
+(:mod:`kvtier.pressure`), trace replay (:mod:`kvtier.replay`), and one
+manager over several devices' pools (:mod:`kvtier.placement`).
 
 The parts that need PyTorch and transformers load on first use, so ``import
 kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
@@ -22,6 +23,7 @@ from kvtier.errors import (
     DuplicateRequestError,
     InternalInvariantError,
     KvTierError,
+    MigrationError,
     MonitorUnavailableError,
     OutOfBlocksError,
     OversizeError,
@@ -37,6 +39,7 @@ from kvtier.keys import HASH_ALGORITHMS, KEY_FORMAT_VERSION, BlockHasher, Namesp
 from kvtier.layout import KVLayout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvtier.placement import DevicePool, Growth, Move, MultiDeviceManager, Placement
 from kvtier.policy import (
     AdmissionFilter,
     Admitted,
@@ -74,6 +77,7 @@ from kvtier.pressure import (
 )
 from kvtier.replay import (
     Capacity,
+    ClusterConfig,
     Trace,
     TraceRequest,
     belady_min,
@@ -81,6 +85,7 @@ from kvtier.replay import (
     load_trace,
     parse_capacity,
     simulate,
+    simulate_cluster,
 )
 
 __version__ = "0.1.0"
@@ -107,6 +112,14 @@ __all__ = [
     "make_admission",
     "parse_capacity",
     "simulate",
+    "ClusterConfig",
+    "simulate_cluster",
+    "DevicePool",
+    "Growth",
+    "MigrationError",
+    "Move",
+    "MultiDeviceManager",
+    "Placement",
     "AdmissionRejectedError",
     "Allocation",
     "BadRequestError",
@@ -166,6 +179,8 @@ _LAZY = {
     "Engine": "kvtier.engine",
     "EngineWorker": "kvtier.engine",
     "SamplingParams": "kvtier.engine",
+    "migrate": "kvtier.engine.migrate",
+    "migrate_between": "kvtier.engine.migrate",
     "create_app": "kvtier.server",
     "Tier": "kvtier.offload.chain",
     "TierChain": "kvtier.offload.chain",

@@ -104,5 +104,9 @@ class CorruptBlockError(KvTierError):
     """A stored block failed its checksum or header check; it is never served."""
 
 
+class MigrationError(KvTierError):
+    """A request could not move to another engine or device; it stays where it was."""
+
+
 class InternalInvariantError(KvTierError, AssertionError):
     """kvtier's own bookkeeping is inconsistent: a bug; please report it."""

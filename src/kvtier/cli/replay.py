@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from kvtier.errors import ConfigError
 from kvtier.policy import available_policies, make_policy
@@ -47,8 +48,20 @@ metrics (totals over the trace):
               upper bound on block hits; gap = MIN - policy, in points
   ops/s       block accesses replayed per second of the simulation loop
 
+several engines (--engines N):
+  Each engine has its own device cache (--capacity, per engine) and optionally
+  its own host tier (--host-tier); --shared-tier adds one tier every engine
+  sees (Redis Cluster, a global pool), written through. --route picks the
+  engine: round-robin, least-loaded, or prefix (the engine holding the
+  longest cached prefix, unless its queue is over --load-cap times the
+  shortest).
+  The table shows the cluster's and each engine's hit ratios, where hits came
+  from, load imbalance and the bytes fetched from the shared tier.
+
 examples:
   kvtier replay
+  kvtier replay trace.jsonl --engines 4 --route round-robin prefix -c 400 --host-tier 2.5%
+  kvtier replay trace.jsonl --engines 4 --route round-robin -c 400 --shared-tier 10%
   kvtier replay trace.jsonl --policy all --capacity 1% 5% 10% --model block
   kvtier replay trace.jsonl -p lru -c 64kt 1Mt --json-out out.json --plot out.png
 """
@@ -67,7 +80,7 @@ def _policy_names(requested: Sequence[str] | None) -> list[str]:
 
 
 def _trace_swallowed(args: argparse.Namespace) -> None:
-    """Take the trace back from ``--policy``/``--capacity`` when it was written after them.
+    """Take the trace back from a multi-value option when it was written after it.
 
     Both options take several values, so ``kvtier replay -p lru arc t.jsonl``
     parses ``t.jsonl`` as a policy. An existing file there is not a policy or a
@@ -75,13 +88,85 @@ def _trace_swallowed(args: argparse.Namespace) -> None:
     """
     if args.trace is not None:
         return
-    for values in (args.policy, args.capacity):
+    for values in (args.policy, args.capacity, args.route):
         if values and len(values) > 1 and os.path.isfile(values[-1]):
             args.trace = values.pop()
             return
 
 
+def _run_cluster(args: argparse.Namespace) -> int:
+    """``--engines N``: every routing rule at every device capacity, over N engines."""
+    from kvtier.replay.capacity import parse_capacity
+    from kvtier.replay.cluster import (
+        DEFAULT_BYTES_PER_TOKEN,
+        ROUTES,
+        ClusterConfig,
+        Route,
+        simulate_cluster,
+    )
+    from kvtier.replay.cluster_report import cluster_to_json, format_cluster_table
+    from kvtier.replay.progress import ProgressBar, want_progress
+    from kvtier.replay.traces import load_sample_trace, load_trace
+
+    if args.model != "prefix" or args.window != 1 or args.plot:
+        raise ConfigError(
+            "--engines replays the prefix model only (no --model block, --window or --plot)"
+        )
+    if args.policy and len(args.policy) > 1:
+        raise ConfigError("--engines replays one policy at a time; give one --policy")
+    policy = _policy_names(args.policy)[0]
+    routes = list(dict.fromkeys(args.route or ["prefix"]))
+    for r in routes:
+        if r not in ROUTES:
+            raise ConfigError(f"unknown --route {r!r}; choose from {', '.join(ROUTES)}")
+    if args.trace is None:
+        trace = load_sample_trace(block_size=args.block_size, limit=args.limit)
+    else:
+        trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+
+    def blocks(text: str | None) -> int:
+        if not text or text == "0":
+            return 0
+        return parse_capacity(text).blocks(trace.block_size, trace.unique_blocks)
+
+    devices = [blocks(c) for c in (args.capacity or ["1%"])]
+    configs = [
+        ClusterConfig(
+            args.engines, dev, blocks(args.host_tier), blocks(args.shared_tier),
+            cast("Route", route),
+            load_cap=args.load_cap, policy=policy, service_rate=args.service_rate,
+            bytes_per_token=args.bytes_per_token or DEFAULT_BYTES_PER_TOKEN,
+        )
+        for dev in devices
+        for route in routes
+    ]
+    for c in configs:
+        c.check()
+    bar = ProgressBar(len(configs) * len(trace.requests), enabled=want_progress(args.progress))
+    try:
+        results = [simulate_cluster(trace, c, bar.advance) for c in configs]
+    finally:
+        bar.close()
+    data = cluster_to_json(trace, results)
+    if args.json_out:
+        _write_json(args.json_out, data)
+    print(json.dumps(data, indent=2) if args.json else format_cluster_table(trace, results))
+    return 0
+
+
+def _write_json(path: str, data: object) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.engines is not None:
+        _trace_swallowed(args)
+        return _run_cluster(args)
     # Imported here so ``kvtier info`` stays fast and replay-free.
     from kvtier.replay.capacity import parse_capacity
     from kvtier.replay.progress import ProgressBar, want_progress
@@ -124,12 +209,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.json_out:
-        try:
-            with open(args.json_out, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, indent=2)
-                fh.write("\n")
-        except OSError as exc:
-            raise ConfigError(f"cannot write {args.json_out}: {exc}") from None
+        _write_json(args.json_out, data)
     if args.plot:
         from kvtier.replay.plot import plot_report
 
@@ -206,5 +286,42 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action=argparse.BooleanOptionalAction,
         default=None,
         help="progress bar on stderr (default: only when stderr is a terminal)",
+    )
+    cluster = replay.add_argument_group("several engines")
+    cluster.add_argument(
+        "--engines", type=int, metavar="N", help="replay over N engines, each with its own cache"
+    )
+    cluster.add_argument(
+        "--route",
+        nargs="+",
+        action="extend",
+        metavar="R",
+        help="routing rules to compare: round-robin, least-loaded, prefix (default prefix)",
+    )
+    cluster.add_argument(
+        "--load-cap",
+        type=float,
+        default=1.5,
+        metavar="X",
+        help="prefix routing passes over engines whose queue is over X times the shortest "
+        "(default 1.5)",
+    )
+    cluster.add_argument(
+        "--host-tier", metavar="C", help="each engine's own host tier (a capacity, as -c)"
+    )
+    cluster.add_argument(
+        "--shared-tier", metavar="C", help="one tier every engine shares (a capacity, as -c)"
+    )
+    cluster.add_argument(
+        "--service-rate",
+        type=float,
+        metavar="TOK/S",
+        help="tokens per second one engine serves (default: 70%% busy on the trace uncached)",
+    )
+    cluster.add_argument(
+        "--bytes-per-token",
+        type=int,
+        metavar="B",
+        help="KV bytes per token, for the bytes fetched (default 327680: a 70B GQA model, bf16)",
     )
     replay.set_defaults(func=run)

@@ -82,6 +82,26 @@ class IncrementalDetokenizer:
         self._emitted = end
         return out
 
+    def get_state(self) -> dict[str, object]:
+        """Where decoding stands, as JSON-able data (to move a request to another engine)."""
+        return {
+            "ids": list(self.ids),
+            "text": self.text,
+            "emitted": self._emitted,
+            "prefix_offset": self._prefix_offset,
+            "read_offset": self._read_offset,
+            "stopped": self.stopped,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`get_state` (same tokenizer and stop strings)."""
+        self.ids = [int(t) for t in state["ids"]]
+        self.text = str(state["text"])
+        self._emitted = int(state["emitted"])
+        self._prefix_offset = int(state["prefix_offset"])
+        self._read_offset = int(state["read_offset"])
+        self.stopped = bool(state["stopped"])
+
     def flush(self) -> str:
         """At the end of generation: whatever text was still held back."""
         out = ""

@@ -114,6 +114,9 @@ class EngineCounters:
     e2e_count: int = 0
     #: Requests refused by memory pressure (at once, or after waiting ``max_wait``).
     rejected: int = 0
+    #: Requests that moved here from another engine, and away to another one.
+    migrated_in: int = 0
+    migrated_out: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     last: RequestMetrics | None = None
 

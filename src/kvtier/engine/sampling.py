@@ -227,6 +227,30 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         return self.sample(logits)[0]
 
+    def get_state(self) -> dict[str, object]:
+        """What sampling depends on besides the params, as JSON-able data (to move a request)."""
+        counts: dict[str, float] = {}
+        if self._counts is not None:
+            nz = torch.nonzero(self._counts).flatten().tolist()
+            vals = self._counts[nz].tolist() if nz else []
+            counts = {str(i): float(v) for i, v in zip(nz, vals, strict=True)}
+        gen = None if self._gen is None else bytes(self._gen.get_state().tolist()).hex()
+        vocab = None if self._counts is None else int(self._counts.shape[0])
+        return {"generator": gen, "counts": counts, "vocab": vocab}
+
+    def set_state(self, state: Mapping[str, object]) -> None:
+        """Continue from :meth:`get_state` taken on another sampler with the same params."""
+        gen = state.get("generator")
+        if isinstance(gen, str) and self._gen is not None:
+            data = bytes.fromhex(gen)
+            self._gen.set_state(torch.tensor(list(data), dtype=torch.uint8))
+        counts = state.get("counts")
+        vocab = state.get("vocab")
+        if isinstance(counts, Mapping) and isinstance(vocab, int) and counts:
+            self._counts = torch.zeros(vocab, dtype=torch.float32)
+            for tid, value in counts.items():
+                self._counts[int(tid)] = float(value)
+
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """``token``'s log probability under ``logits`` and the ``top`` most likely tokens'."""

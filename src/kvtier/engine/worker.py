@@ -127,6 +127,8 @@ class EngineWorker:
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
         self._calls: list[Callable[[Engine], None]] = []
+        #: Requests that moved to another engine: how to cancel them there.
+        self._moved: dict[str, Callable[[], None]] = {}
         self._stop = False
         self._ids = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -183,8 +185,54 @@ class EngineWorker:
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
-            self._cancels.append(request_id)
-            self._cv.notify()
+            moved = self._moved.get(request_id)
+            if moved is None:
+                self._cancels.append(request_id)
+                self._cv.notify()
+        if moved is not None:
+            moved()
+
+    # -- requests that move between engines (kvtier.engine.migrate) ---------------------
+    def open_handle(
+        self,
+        n: int = 1,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: Callable[[RequestOutput], None] | None = None,
+    ) -> RequestHandle:
+        """A handle under a fresh id for a request that arrives by other means than submit.
+
+        ``sink`` receives its outputs instead of the handle's own queue.
+        """
+        with self._cv:
+            if self._stop or self.fatal is not None:
+                raise KvTierError("the engine worker is stopped")
+            self._ids += 1
+            handle = RequestHandle(self, f"req-{self._ids}", n)
+            if loop is not None:
+                handle.bind_loop(loop)
+            if sink is not None:
+                handle._sink = sink
+            self._handles[handle.request_id] = handle
+        return handle
+
+    def close_handle(self, handle: RequestHandle) -> None:
+        """Forget a handle :meth:`open_handle` gave whose request never started."""
+        with self._cv:
+            self._handles.pop(handle.request_id, None)
+
+    def forward(self, request_id: str, cancel: Callable[[], None]) -> None:
+        """``request_id`` now runs elsewhere: :meth:`cancel` calls ``cancel`` instead."""
+        with self._cv:
+            self._moved[request_id] = cancel
+
+    def deliver(self, outs: Sequence[RequestOutput]) -> None:
+        """Hand outputs produced elsewhere (by a moved request) to their handles; any thread."""
+        for out in outs:
+            if out.finished:
+                with self._cv:
+                    self._moved.pop(out.request_id, None)
+        self._dispatch(list(outs))
 
     def call(self, fn: Callable[[Engine], T], timeout: float | None = 30.0) -> T:
         """Run ``fn(engine)`` between steps on the worker thread; returns its result.

@@ -41,6 +41,7 @@ no longer holds are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -748,27 +749,58 @@ class TierChain:
         """
         mgr = self.manager
         with self._lock:
+            swapped = self.store_request(
+                request_id, token_ids, num_computed_tokens, extra_keys=extra_keys
+            )
+            # Blocks nobody else holds leave the device now: that is the point of a swap.
+            mgr.free_and_drop(request_id)
+            return swapped
+
+    def store_request(
+        self,
+        request_id: object,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        *,
+        tier: int = 0,
+        extra_keys: Sequence[object] = (),
+    ) -> SwappedRequest:
+        """Store a live request's computed blocks on tier ``tier``; it keeps its device blocks.
+
+        Full blocks go under their prefix keys, the partial last block under a
+        key private to this request, as :meth:`swap_out` stores them; a
+        request moving to another engine that shares the tier resumes from it.
+        """
+        if not 0 <= tier < len(self.tiers):
+            raise ConfigError(f"tier {tier} is not one of this chain's {len(self.tiers)} tiers")
+        mgr = self.manager
+        with self._lock:
             self._poll_locked()
-            table = mgr.block_table(request_id)
+            blocks = mgr.block_table(request_id).blocks
             bs = mgr.block_size
             keys = mgr.block_keys(request_id)
             n_full = min(len(keys), num_computed_tokens // bs)
-            blocks = table.blocks
-            self._store_blocks(0, keys[:n_full], blocks[:n_full], cascade=True)
+            self._store_blocks(tier, keys[:n_full], blocks[:n_full], cascade=True)
             tail_key: int | None = None
             rest = num_computed_tokens - n_full * bs
             if rest > 0 and n_full < len(blocks):
                 tail_key = _tail_key(mgr.hasher.root, request_id, token_ids[:num_computed_tokens])
-                self._store_blocks(0, [tail_key], [blocks[n_full]], cascade=True)
-            # Blocks nobody else holds leave the device now: that is the point of a swap.
-            mgr.free_and_drop(request_id)
+                self._store_blocks(tier, [tail_key], [blocks[n_full]], cascade=True)
             return SwappedRequest(
                 request_id,
                 tuple(token_ids),
                 tuple(extra_keys),
                 num_computed_tokens,
                 tail_key,
+                tier,
             )
+
+    def shared_tier(self) -> int | None:
+        """Index of the first tier on a medium other engines share (Redis), if any."""
+        for t, tier in enumerate(self.tiers):
+            if tier.store.caps.shared:
+                return t
+        return None
 
     def load_tail(self, swapped: SwappedRequest, block: int) -> bool:
         """Load a swapped request's partial last block into device ``block``."""
@@ -776,7 +808,9 @@ class TierChain:
             return False
         with self._lock:
             tier = self.tiers[swapped.tail_tier]
-            if not tier.manager.is_ready(swapped.tail_key):
+            if not tier.manager.is_ready(swapped.tail_key) and not self._adopt_tail(
+                swapped.tail_tier, swapped.tail_key
+            ):
                 return False
             b = _Batch(swapped.tail_tier, 0, [swapped.tail_key], [block])
             b.slots = tier.manager.prepare_load(b.keys)
@@ -789,8 +823,25 @@ class TierChain:
             finally:
                 tier.manager.complete_load(b.keys)
             if ok:
+                if tier.store.caps.shared and tier.store.caps.purge:
+                    # The tail is this request's alone: free the shared medium of it too.
+                    with contextlib.suppress(KvTierError):
+                        slot = tier.manager.slot_of(swapped.tail_key)
+                        tier.store.purge([(swapped.tail_key, slot)])
                 tier.manager.remove([swapped.tail_key])
             return ok
+
+    def _adopt_tail(self, t: int, key: int) -> bool:
+        """Adopt a tail block another engine put on shared tier ``t`` (a moved request's)."""
+        tier = self.tiers[t]
+        if not tier.store.caps.shared:
+            return False
+        try:
+            present = tier.store.contains([key])
+        except TierUnavailableError as exc:
+            self._unreachable(tier, exc)
+            return False
+        return bool(present and present[0]) and bool(tier.manager.adopt([key]))
 
     # -- stats, events, shutdown -------------------------------------------------------------
     def take_events(self) -> list[OffloadingEvent]:

@@ -124,6 +124,18 @@ def _row(report: ReplayReport, r: RunResult, point: CapacityPoint) -> dict[str, 
     return row
 
 
+def trace_json(trace: Trace) -> dict[str, Any]:
+    """What a replay's JSON says about its trace."""
+    return {
+        "name": trace.name,
+        "format": trace.format,
+        "block_size": trace.block_size,
+        "requests": len(trace.requests),
+        "unique_blocks": trace.unique_blocks,
+        "prompt_tokens": trace.prompt_tokens,
+    }
+
+
 def to_json(report: ReplayReport) -> dict[str, Any]:
     """The report as plain JSON-serialisable data."""
     trace = report.trace
@@ -137,14 +149,7 @@ def to_json(report: ReplayReport) -> dict[str, Any]:
         results.append(row)
     return {
         "kvtier": __version__,
-        "trace": {
-            "name": trace.name,
-            "format": trace.format,
-            "block_size": trace.block_size,
-            "requests": len(trace.requests),
-            "unique_blocks": trace.unique_blocks,
-            "prompt_tokens": trace.prompt_tokens,
-        },
+        "trace": trace_json(trace),
         "model": report.model,
         "window": report.window,
         "block_accesses": report.block_accesses,

@@ -9,7 +9,9 @@
 * ``GET /metrics``: Prometheus text (prefix-cache hits, KV blocks, requests,
   tokens, time to first token, preemptions);
 * ``GET /v1/cache/stats``: the cache manager's statistics, the engine's
-  counters and the KV block layout, as JSON.
+  counters and the KV block layout, as JSON;
+* ``/admin/...``: list the engine's requests and move one to another server
+  (:mod:`kvtier.server.admin`).
 
 Every bad input is answered with HTTP 400 and OpenAI's error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
@@ -496,6 +498,9 @@ def create_app(
             "kv_cache_bytes": layout.bytes_per_block * snap.stats.total_blocks,
         }
 
+    from kvtier.server.admin import register_admin
+
+    register_admin(app, worker)
     return app
 
 

@@ -1,0 +1,20 @@
+"""Running ``kvtier`` in a subprocess the way the tests import it.
+
+conftest installs the source-only import switch when KVTIER_PURE_PYTHON=1,
+so the child imports kvtier exactly as the tests do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_LAUNCH = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import conftest; "
+    "from kvtier.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def kvtier_cli(*args: str) -> list[str]:
+    """The command line running ``kvtier ARGS`` in a subprocess."""
+    return [sys.executable, "-c", _LAUNCH, str(Path(__file__).parent), *args]
