@@ -200,8 +200,11 @@ def test_moving_to_a_device_without_room_changes_nothing() -> None:
     m.check()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_moves_between_cuda_and_the_cpu_copy_the_bytes() -> None:
+    if not torch.cuda.is_available():
+        from needs import skip_for_hardware
+
+        skip_for_hardware("no CUDA device")
     storages = [KVBlockStorage(LAYOUT, 16, "cuda:0"), KVBlockStorage(LAYOUT, 16, "cpu")]
     if torch.cuda.device_count() > 1:
         storages.append(KVBlockStorage(LAYOUT, 16, "cuda:1"))
