@@ -190,6 +190,8 @@ _LAZY = {
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",
+    "register_medium": "kvtier.offload.registry",
+    "available_media": "kvtier.offload.registry",
     "detect_vllm": "kvtier.integrations.vllm.version",
     "LegacyOffloadingManager": "kvtier.integrations.vllm.legacy",
     "KvEventPublisher": "kvtier.integrations.vllm.events",

@@ -98,25 +98,26 @@ def _tier_specs(args: argparse.Namespace) -> list[Any]:
                 args.disk_tier_size,
                 codec=args.disk_codec,
                 policy=args.policy,
-                path=os.path.expanduser(args.disk_tier),
+                location=os.path.expanduser(args.disk_tier),
             )
         )
     if args.redis_url:
         specs.append(
             TierSpec(
-                "redis",
+                "redis+cluster" if args.redis_cluster else "redis",
                 args.redis_tier_size,
                 codec=args.redis_codec,
                 policy=args.policy,
-                url=args.redis_url,
-                cluster=args.redis_cluster,
+                location=args.redis_url,
             )
         )
-    order = {"host": 0, "disk": 1, "redis": 2}
+    # The built-in media's speed order; other media stay where they were given.
+    order = {"host": 0, "disk": 1, "redis": 2, "redis+cluster": 2}
     media = [s.medium for s in specs]
     if len(set(media)) != len(media):
         raise ConfigError(f"each medium may be given once; got tiers {', '.join(media)}")
-    if media != sorted(media, key=order.__getitem__):
+    known = [m for m in media if m in order]
+    if known != sorted(known, key=order.__getitem__):
         raise ConfigError(
             f"tiers must go fastest first (host, disk, redis); got {', '.join(media)}"
         )

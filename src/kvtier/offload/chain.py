@@ -62,7 +62,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload.codec import Codec, RawCodec, make_codec, verify
 from kvtier.offload.manager import OffloadingEvent, OffloadingManager
-from kvtier.offload.media import BlockFormat, BlockStore, Stored
+from kvtier.offload.media import BlockStore, ItemFormat, PutItem, Stored
 from kvtier.offload.transfer import TransferEngine, TransferResult
 from kvtier.policy.base import EvictionPolicy
 from kvtier.storage import KVBlockStorage
@@ -113,7 +113,8 @@ class Tier:
         self.codec = make_codec(codec)
         self.manager = OffloadingManager(capacity_blocks, policy, medium=self.name)
         self.counters = TierCounters()
-        self.fmt: BlockFormat | None = None
+        #: The format of this tier's blocks (set when the chain binds it).
+        self.fmt: ItemFormat | None = None
         #: ``"write_back"`` or ``"write_through"`` (default: through for shared media).
         self.write_mode: WriteMode = _write_mode(
             write_mode, "write_through" if store.caps.shared else "write_back"
@@ -228,9 +229,9 @@ class TierChain:
         self._reconcile_cursor: dict[int, int] = {}
         shape = tuple(storage.block_shape)
         for tier in self.tiers:
-            fmt = BlockFormat(tier.codec, shape, storage.dtype, ns)
+            fmt = ItemFormat(tier.codec, shape, storage.dtype)
             tier.fmt = fmt
-            tier.store.bind(fmt, tier.capacity)
+            tier.store.bind(ns, tier.capacity, fmt.payload_size)
             if tier.store.caps.persistent:
                 self._adopt_persistent(tier)
         if self.tiers[0].writes_back:
@@ -419,8 +420,8 @@ class TierChain:
                 break
             header, payload = got
             try:
-                codec = verify(header, payload, key, fmt.block_shape, fmt.dtype)
-                tensor = codec.decode(payload, fmt.block_shape, fmt.dtype)
+                codec = verify(header, payload, key, fmt.shape, fmt.dtype)
+                tensor = codec.decode(payload, fmt.shape, fmt.dtype)
             except CorruptBlockError as exc:
                 c.corrupt_blocks += 1
                 self._bursts.event(
@@ -539,10 +540,13 @@ class TierChain:
             except KvTierError:
                 tier.counters.unavailable_errors += 1
         index = {k: i for i, k in enumerate(keys)}
-        items = [
-            (k, s, payloads[index[k]]) for k, s in zip(out.keys_to_store, out.slots, strict=True)
+        fmt = tier.fmt
+        assert fmt is not None
+        items: list[PutItem] = [
+            (k, s, payloads[index[k]], fmt)
+            for k, s in zip(out.keys_to_store, out.slots, strict=True)
         ]
-        nbytes = sum(int(p.numel()) for _, _, p in items)
+        nbytes = sum(int(p.numel()) for _, _, p, _ in items)
         if not tier.store.caps.background:
             try:
                 tier.store.put(items)
@@ -560,7 +564,7 @@ class TierChain:
         # Raw payloads are views of device blocks (or host slots) that may be
         # reused before the write runs; int8/fp8 encodes are already fresh memory.
         if tier.codec.codec_id == RawCodec.codec_id:
-            items = [(k, s, p.clone()) for k, s, p in items]
+            items = [(k, s, p.clone(), f) for k, s, p, f in items]
         snap = items
         job = self.transfer.submit("store", _Writer(tier.store, snap), t)
         self._pending[job] = (t, out.keys_to_store, nbytes)
@@ -599,7 +603,7 @@ class TierChain:
             if below.codec.codec_id == tier.codec.codec_id:
                 down.append(payload.clone())
             else:
-                block = tier.codec.decode(payload, fmt.block_shape, fmt.dtype)
+                block = tier.codec.decode(payload, fmt.shape, fmt.dtype)
                 down.append(below.codec.encode(block).clone())
             down_keys.append(key)
         if down_keys:
@@ -909,7 +913,7 @@ class _Reader:
 class _Writer:
     """A store job: write payload snapshots to a medium."""
 
-    def __init__(self, store: BlockStore, items: list[tuple[int, int, torch.Tensor]]) -> None:
+    def __init__(self, store: BlockStore, items: list[PutItem]) -> None:
         self.store = store
         self.items = items
 

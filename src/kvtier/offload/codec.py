@@ -36,6 +36,9 @@ _HEAD = struct.Struct("<4sHBBB3x6I2QQQ")
 _CHECK = struct.Struct("<I")
 #: Bytes of a stored block's header.
 HEADER_SIZE = _HEAD.size + _CHECK.size
+#: Where the header keeps the payload's length (8 bytes, little-endian): a medium
+#: holding payloads in fixed-size slots reads it to hand back just the payload.
+PAYLOAD_LENGTH_OFFSET = _HEAD.size - 16
 _MASK64 = (1 << 64) - 1
 
 _DTYPES: dict[torch.dtype, int] = {
