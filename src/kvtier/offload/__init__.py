@@ -5,6 +5,8 @@
 * :mod:`~kvtier.offload.codec`: raw / int8 / fp8 codecs, headers and checksums;
 * :mod:`~kvtier.offload.host`, :mod:`~kvtier.offload.disk`,
   :mod:`~kvtier.offload.redis_store`: the storage media;
+  :mod:`~kvtier.offload.device_tier`: compressed blocks in device memory,
+  a tier above host memory;
 * :mod:`~kvtier.offload.transfer`: background, batched transfers;
 * :mod:`~kvtier.offload.chain`: the tier chain that promotes blocks on a hit
   and demotes them on eviction, and swaps whole requests out and in.
@@ -30,6 +32,8 @@ _LAZY = {
     "SwappedRequest": "kvtier.offload.chain",
     "TierSpec": "kvtier.offload.config",
     "HostStore": "kvtier.offload.host",
+    "DeviceStore": "kvtier.offload.device_tier",
+    "CompressionResult": "kvtier.offload.chain",
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",

@@ -20,7 +20,9 @@ from kvtier.offload.chain import Tier
 from kvtier.offload.codec import HEADER_SIZE, make_codec
 from kvtier.offload.media import BlockStore
 
-MEDIA = ("host", "disk", "redis")
+MEDIA = ("host", "disk", "redis", "device")
+#: Codecs a device tier may use: it exists to hold blocks smaller than the pool does.
+DEVICE_CODECS = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,23 @@ class TierSpec:
             raise ConfigError("the disk tier needs a directory (path)")
         if self.medium == "redis" and not self.url:
             raise ConfigError("the Redis tier needs a URL such as redis://127.0.0.1:6379/0")
+        if self.medium == "device" and self.codec not in DEVICE_CODECS:
+            raise ConfigError(
+                f"the device tier holds compressed blocks: give it codec "
+                f"{' or '.join(DEVICE_CODECS)}, not {self.codec!r}"
+            )
 
     @classmethod
     def from_url(cls, url: str, *, policy: str = "lru") -> TierSpec:
         """A tier written as a URL, as ``kvtier serve --tier`` takes it.
 
         ``host:4GiB`` (or ``host:?size=4GiB``), ``disk:/var/cache/kvtier?size=100GiB&codec=int8``,
-        ``redis://host:6379/0?size=16GiB``, ``redis+cluster://a:7000,b:7001``. Query
-        settings: ``size`` (bytes with a unit; required for host, 16GiB otherwise),
-        ``codec`` (raw, int8, fp8), ``policy`` (any registered policy), ``write``
-        (``back`` or ``through``).
+        ``redis://host:6379/0?size=16GiB``, ``redis+cluster://a:7000,b:7001``,
+        ``device:1GiB?codec=int8`` (compressed blocks in the device's own memory,
+        above host memory). Query settings: ``size`` (bytes with a unit; required
+        for host and device, 16GiB otherwise), ``codec`` (raw, int8, fp8; the
+        device tier's is int8 unless fp8 is given), ``policy`` (any registered
+        policy), ``write`` (``back`` or ``through``).
         """
         from urllib.parse import parse_qsl
 
@@ -82,7 +91,8 @@ class TierSpec:
         write = settings.get("write")
         if write is not None and write not in ("back", "through"):
             raise ConfigError(f"tier {url!r}: write must be back or through, got {write!r}")
-        codec = settings.get("codec", "raw")
+        medium_name = base.partition(":")[0]
+        codec = settings.get("codec", "int8" if medium_name == "device" else "raw")
         policy = settings.get("policy", policy)
         write_mode = None if write is None else f"write_{write}"
         size = settings.get("size")
@@ -103,18 +113,20 @@ class TierSpec:
                 write_mode=write_mode,
             )
         medium, sep, rest = base.partition(":")
-        if not sep or medium not in ("host", "disk"):
+        if not sep or medium not in ("host", "disk", "device"):
             raise ConfigError(
-                f"tier {url!r} names no medium: write host:SIZE, disk:DIR[?size=...], "
-                "redis://HOST:PORT/DB or redis+cluster://HOST:PORT,..."
+                f"tier {url!r} names no medium: write host:SIZE, device:SIZE, "
+                "disk:DIR[?size=...], redis://HOST:PORT/DB or redis+cluster://HOST:PORT,..."
             )
-        if medium == "host":
+        if medium in ("host", "device"):
             if rest and size:
-                raise ConfigError(f"tier {url!r}: give the host tier's size once")
+                raise ConfigError(f"tier {url!r}: give the {medium} tier's size once")
             if not rest and not size:
-                raise ConfigError(f"tier {url!r}: the host tier needs a size, e.g. host:4GiB")
+                raise ConfigError(
+                    f"tier {url!r}: the {medium} tier needs a size, e.g. {medium}:4GiB"
+                )
             nbytes = parse_memory_size(rest or size or "")
-            return cls("host", nbytes, codec, policy, write_mode=write_mode)
+            return cls(medium, nbytes, codec, policy, write_mode=write_mode)
         if not rest:
             raise ConfigError(
                 f"tier {url!r}: the disk tier needs a directory, e.g. disk:/var/cache/kvtier"
@@ -132,6 +144,7 @@ class TierSpec:
         """The tier as a URL (the form ``from_url`` reads)."""
         where = {
             "host": "host:",
+            "device": "device:",
             "disk": f"disk:{self.path}",
             "redis": f"redis+cluster://{(self.url or '').removeprefix('redis://')}"
             if self.cluster
@@ -188,12 +201,23 @@ class TierSpec:
             )
         return n
 
-    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> Tier:
+    def build(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        device: str | torch.device = "cpu",
+    ) -> Tier:
+        """The tier for blocks of ``block_shape`` and ``dtype`` (``device``: the pool's)."""
         store: BlockStore
         if self.medium == "host":
             from kvtier.offload.host import HostStore
 
             store = HostStore()
+        elif self.medium == "device":
+            from kvtier.offload.device_tier import DeviceStore
+
+            store = DeviceStore(device)
         elif self.medium == "disk":
             from kvtier.offload.disk import DiskStore
 
