@@ -307,12 +307,12 @@ def generate_with(engine: Engine, setting: Setting | None, ids: list[int]) -> li
         rid = f"prime-{time.perf_counter_ns()}"
         for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0), rid):
             pass
-        assert engine.tiers is not None
+        assert engine.tier_chain is not None
         if setting.kind == "device-tier":
             if not engine.compress_request(rid).blocks:
                 raise SystemExit("compress_request moved no block")
         else:
-            engine.tiers.flush()
+            engine.tier_chain.flush()
             engine.manager.reset_prefix_cache()
     before = engine.counters.loaded_prompt_tokens
     tokens: list[int] = []

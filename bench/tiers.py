@@ -253,7 +253,7 @@ class KvtierPath:
         chain.flush()
         if not cold:
             out["store"] = time.perf_counter() - t0
-        if self.tier.manager.lookup(keys) != rig.n:
+        if self.tier.offload_manager.lookup(keys) != rig.n:
             stats = chain.stats()[self.tier.name]
             raise SystemExit(f"{self.kind}/{self.codec}: stored {stats}, not all {rig.n} blocks")
         if cold:
@@ -265,7 +265,7 @@ class KvtierPath:
             raise SystemExit(f"{self.kind}/{self.codec}: loaded {got} of {rig.n} blocks")
         err = rig.check(self.codec)
         # Outside the timings: forget this repeat's blocks so the next one starts empty.
-        self.tier.manager.remove(keys)
+        self.tier.offload_manager.remove(keys)
         items = [(k, -1) for k in keys]
         if self.kind == "disk":
             self.store.delete(items)
@@ -535,8 +535,8 @@ def ttft(
 
     def settle(e: Engine) -> None:
         """Outside the timings: finish background writes and empty the device cache."""
-        if e.tiers is not None:
-            e.tiers.flush()
+        if e.tier_chain is not None:
+            e.tier_chain.flush()
         e.manager.reset_prefix_cache()
 
     def disk_files() -> list[Path]:
@@ -563,7 +563,7 @@ def ttft(
                 if from_tier:
                     settle(e)
             for e in tier_engines.values():
-                stats = e.tiers.stats() if e.tiers is not None else {}
+                stats = e.tier_chain.stats() if e.tier_chain is not None else {}
                 for tier_name, st in stats.items():
                     if st["used_blocks"] < prefix_blocks:
                         raise SystemExit(f"the {tier_name} tier holds {st} after the warm-up")
@@ -605,9 +605,9 @@ def ttft(
     finally:
         tier_stats = {}
         for kind, e in tier_engines.items():
-            if e.tiers is not None:
-                tier_stats[kind] = e.tiers.stats()
-                e.tiers.close()
+            if e.tier_chain is not None:
+                tier_stats[kind] = e.tier_chain.stats()
+                e.tier_chain.close()
         shutil.rmtree(root, ignore_errors=True)
 
     med = {n: median(v) for n, v in samples.items()}

@@ -277,8 +277,8 @@ def test_a_request_loading_from_a_slow_tier_does_not_hold_up_the_others(
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     long_prompt = list(range(5, 5 + 40))  # ten blocks, written through to disk
     list(engine.generate(long_prompt, p))
-    assert engine.tiers is not None
-    engine.tiers.flush()
+    assert engine.tier_chain is not None
+    engine.tier_chain.flush()
     engine.manager.reset_prefix_cache()  # the device forgets; the disk still has it
     disk.gate.clear()
     loading = engine.add_request(long_prompt, p)

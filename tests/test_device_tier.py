@@ -169,7 +169,7 @@ def test_a_quantized_pool_offloads_its_payloads_as_they_are() -> None:
     tier = chain.tiers[0]
     for key, payload in zip(mgr.hasher.chain(a), held, strict=True):
         # The pool's own bytes: not decoded and encoded again on the way down.
-        assert torch.equal(host.row(tier.manager.slot_of(key)), payload)
+        assert torch.equal(host.row(tier.offload_manager.slot_of(key)), payload)
     assert chain.stats()["host"]["compression_ratio"] == 1.0
     cache = KvTierCache(storage, mgr, "a2", a, tiers=chain)
     assert cache.num_loaded_tokens == 16

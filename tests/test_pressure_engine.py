@@ -136,15 +136,16 @@ def test_critical_demotes_target_evictions_to_the_host_tier(model_tok: tuple[Any
             prompts.append(prompt(10 + len(prompts)))
             finish(eng, eng.add_request(prompts[-1], GREEDY))
         assert len(prompts) <= 6
-        assert eng.tiers is not None
-        stored_before = eng.tiers.stats()["host"]["stored_blocks"]
+        assert eng.tier_chain is not None
+        stored_before = eng.tier_chain.stats()["host"]["stored_blocks"]
         mon.set(0.92)
         ctrl.sample()  # CRITICAL: keep 10% (4 blocks) empty, offloading first
         out = finish(eng, eng.add_request(prompt(99), GREEDY))
         assert pool.num_empty >= 4
         s = eng.manager.stats()
         assert s.pressure_evictions > 0
-        assert eng.tiers.stats()["host"]["stored_blocks"] - stored_before >= s.pressure_evictions
+        stored = eng.tier_chain.stats()["host"]["stored_blocks"]
+        assert stored - stored_before >= s.pressure_evictions
         # The first prompt lost device blocks to the target; its prefix loads from host
         # memory and the output is the reference's, token for token.
         loaded_before = eng.counters.loaded_prompt_tokens

@@ -207,7 +207,7 @@ def test_compress_request_moves_a_finished_request_to_the_device_tier(
     moved = eng.compress_request(rid)
     assert moved.blocks >= 6 and moved.ratio > 3.0 and moved.seconds > 0
     assert eng.manager.pool.num_empty == free_before + moved.blocks
-    st = eng.tiers.stats()["device"] if eng.tiers is not None else {}
+    st = eng.tier_chain.stats()["device"] if eng.tier_chain is not None else {}
     assert st["used_blocks"] == moved.blocks and st["compressed_requests"] == 1
     assert st["bytes_saved"] == moved.device_bytes - moved.stored_bytes
     # A hit decodes them back; the output is the float pool's (the tiny model's
@@ -228,9 +228,10 @@ def test_compress_request_moves_a_finished_request_to_the_device_tier(
     while eng.has_unfinished():
         eng.step()
     # Finished, it is found by id; the tier already holds the blocks, which leave the pool.
-    stored = eng.tiers.stats()["device"]["stored_blocks"] if eng.tiers is not None else 0
+    stored = eng.tier_chain.stats()["device"]["stored_blocks"] if eng.tier_chain is not None else 0
     assert eng.compress_request("live").blocks == moved.blocks
-    assert eng.tiers is not None and eng.tiers.stats()["device"]["stored_blocks"] == stored
+    assert eng.tier_chain is not None
+    assert eng.tier_chain.stats()["device"]["stored_blocks"] == stored
     eng.manager.check()
     eng.close()
     with pytest.raises(ConfigError, match="device tier"):

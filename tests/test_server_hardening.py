@@ -489,7 +489,7 @@ def test_two_servers_on_one_redis_share_a_prompt_at_once() -> None:
                 model=MODEL, messages=messages, max_tokens=3, temperature=0
             )
             assert first.usage.prompt_tokens_details.cached_tokens == 0
-            sa.worker.call(lambda e: e.tiers.flush())  # A's background stores are done
+            sa.worker.call(lambda e: e.tier_chain.flush())  # A's background stores are done
             second = sb.client().chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=3, temperature=0
             )

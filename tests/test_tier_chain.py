@@ -208,8 +208,8 @@ def test_restart_with_more_files_than_capacity_adopts_the_newest(tmp_path: Path)
     storage2, mgr2 = device(16)
     chain2 = chain_of(storage2, mgr2, Tier(DiskStore(tmp_path), 5))
     tier = chain2.tiers[0]
-    assert tier.counters.adopted_blocks == 5 == len(tier.manager)
-    assert sorted(tier.manager.ready_keys()) == sorted(mgr2.hasher.chain(new))
+    assert tier.counters.adopted_blocks == 5 == len(tier.offload_manager)
+    assert sorted(tier.offload_manager.ready_keys()) == sorted(mgr2.hasher.chain(new))
     chain2.check()
     cache = KvTierCache(storage2, mgr2, "new", new, tiers=chain2)
     assert cache.num_loaded_tokens == 5 * BS
@@ -279,5 +279,5 @@ def test_events_report_stores_and_removals() -> None:
     stored = [k for e in events if not e.removed for k in e.keys]
     removed = [k for e in events if e.removed for k in e.keys]
     assert stored and removed and all(e.medium == "host" for e in events)
-    assert set(stored) - set(removed) == set(chain.tiers[0].manager.ready_keys())
+    assert set(stored) - set(removed) == set(chain.tiers[0].offload_manager.ready_keys())
     chain.close()

@@ -67,13 +67,13 @@ def test_engine_with_host_and_disk_tiers_matches_reference(
             assert got.metrics.completion_tokens == ref.metrics.completion_tokens
     # The second round found prefixes the small device pool had evicted.
     assert eng.counters.loaded_prompt_tokens > 0
-    st = eng.tiers.stats() if eng.tiers else {}
+    st = eng.tier_chain.stats() if eng.tier_chain else {}
     assert st["host"]["loaded_blocks"] + st["disk"]["loaded_blocks"] > 0
-    assert eng.tiers is not None
-    eng.tiers.flush()
-    eng.tiers.check()
+    assert eng.tier_chain is not None
+    eng.tier_chain.flush()
+    eng.tier_chain.check()
     eng.manager.check()
-    eng.tiers.close()
+    eng.tier_chain.close()
 
 
 def collect_text(engine: Engine, prompt: list[int]) -> list[int]:
@@ -100,8 +100,8 @@ def test_outputs_identical_with_tiers(
     for _round in range(3):
         assert [collect_text(eng, p) for p in ps] == expected
     assert eng.counters.loaded_prompt_tokens > 0
-    assert eng.tiers is not None
-    eng.tiers.close()
+    assert eng.tier_chain is not None
+    eng.tier_chain.close()
 
 
 @pytest.fixture()
@@ -136,19 +136,19 @@ def test_redis_killed_mid_run_requests_still_served_and_service_resumes(
         tiers=[Tier(HostStore(), 6), redis_tier(redis_server.url)],
         write_mode="write_through",
     )
-    assert eng.tiers is not None
+    assert eng.tier_chain is not None
     ps = prompts(6, seed=5)
     expected = [collect_text(reference, p) for p in ps]
     assert [collect_text(eng, p) for p in ps[:3]] == expected[:3]
-    eng.tiers.flush()
-    stored_before = eng.tiers.stats()["redis"]["stored_blocks"]
+    eng.tier_chain.flush()
+    stored_before = eng.tier_chain.stats()["redis"]["stored_blocks"]
     assert stored_before > 0
     redis_server.stop(kill=True)
     # Redis is gone: every request still completes, from host or recomputed.
     for _round in range(2):
         assert [collect_text(eng, p) for p in ps] == expected
-    eng.tiers.flush()
-    st = eng.tiers.stats()["redis"]
+    eng.tier_chain.flush()
+    st = eng.tier_chain.stats()["redis"]
     assert st["unavailable_errors"] + st["store_failures"] > 0
     redis_server.start()
     import time
@@ -156,13 +156,13 @@ def test_redis_killed_mid_run_requests_still_served_and_service_resumes(
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         assert [collect_text(eng, p) for p in ps] == expected
-        eng.tiers.flush()
-        if eng.tiers.stats()["redis"]["stored_blocks"] > stored_before:
+        eng.tier_chain.flush()
+        if eng.tier_chain.stats()["redis"]["stored_blocks"] > stored_before:
             break
         time.sleep(0.3)
-    assert eng.tiers.stats()["redis"]["stored_blocks"] > stored_before, "Redis never came back"
-    eng.tiers.check()
-    eng.tiers.close()
+    assert eng.tier_chain.stats()["redis"]["stored_blocks"] > stored_before, "Redis never came back"
+    eng.tier_chain.check()
+    eng.tier_chain.close()
 
 
 @needs_redis
@@ -202,12 +202,12 @@ def test_redis_cluster_tier(model_tok: tuple[Any, Any], reference: Engine) -> No
         expected = [collect_text(reference, p) for p in ps]
         for _round in range(2):
             assert [collect_text(eng, p) for p in ps] == expected
-        assert eng.tiers is not None
-        eng.tiers.flush()
-        st = eng.tiers.stats()["redis"]
+        assert eng.tier_chain is not None
+        eng.tier_chain.flush()
+        st = eng.tier_chain.stats()["redis"]
         assert st["stored_blocks"] > 0 and st["loaded_blocks"] > 0
         assert st["corrupt_blocks"] == 0 and st["unavailable_errors"] == 0
-        eng.tiers.close()
+        eng.tier_chain.close()
 
 
 def test_preemption_swaps_out_and_resumes_with_the_same_output(
@@ -231,6 +231,6 @@ def test_preemption_swaps_out_and_resumes_with_the_same_output(
     # Resumed requests found their swapped blocks (the partial ones too) on the host tier.
     assert eng.counters.loaded_prompt_tokens > 0
     eng.manager.check()
-    assert eng.tiers is not None
-    eng.tiers.check()
+    assert eng.tier_chain is not None
+    eng.tier_chain.check()
     eng.close()

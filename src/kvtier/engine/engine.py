@@ -173,14 +173,14 @@ class Engine:
             policy=policy,
             namespace=Namespace(model_id, self.layout),
         )
-        #: The tiers below the device (``None`` without tiers).
         built = [
             t.build(self.storage.block_shape, self.storage.dtype, device=self.device)
             if isinstance(t, TierSpec)
             else t
             for t in tiers
         ]
-        self.tiers: TierChain | None = (
+        #: The chain of tiers below the device (``None`` without tiers).
+        self.tier_chain: TierChain | None = (
             TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
         )
         #: The memory-pressure controller (``None`` without pressure handling).
@@ -314,13 +314,14 @@ class Engine:
             "requests without temperature/top_p get "
             f"temperature {d.get('temperature', 1.0)}, top_p {d.get('top_p', 1.0)}"
         )
-        if self.tiers is not None:
-            for tier in self.tiers.tiers:
+        if self.tier_chain is not None:
+            for tier in self.tier_chain.tiers:
                 fmt = tier.fmt
                 size = tier.capacity * (fmt.blob_size if fmt else 0)
                 lines.append(
                     f"{tier.name} tier: {tier.capacity} blocks ({size / 2**20:.0f} MiB, codec "
-                    f"{tier.codec.name}, policy {tier.manager.policy.name}, {tier.write_mode})"
+                    f"{tier.codec.name}, policy {tier.offload_manager.policy.name}, "
+                    f"{tier.write_mode})"
                 )
         if self.pressure is not None:
             p = self.pressure
@@ -475,8 +476,8 @@ class Engine:
         """Stop pressure sampling, finish background tier writes, close the tiers' media."""
         if self.pressure is not None:
             self.pressure.close()
-        if self.tiers is not None:
-            self.tiers.close()
+        if self.tier_chain is not None:
+            self.tier_chain.close()
         if self.events is not None:
             self._publish_events()
             self.events.close()
@@ -492,7 +493,7 @@ class Engine:
         :data:`FINISHED_REQUESTS_REMEMBERED`); a running request cannot be
         compressed. Returns what moved.
         """
-        if self.tiers is None or self.tiers.device_tier() is None:
+        if self.tier_chain is None or self.tier_chain.device_tier() is None:
             raise ConfigError(
                 "compressing a request's blocks needs a compressed device tier: "
                 "add --tier device:SIZE (TierSpec('device', size, codec='int8'))"
@@ -515,7 +516,7 @@ class Engine:
             chains = found
         total = CompressionResult(0, 0, 0, 0.0)
         for keys in chains:
-            total = total + self.tiers.compress(keys, fraction)
+            total = total + self.tier_chain.compress(keys, fraction)
         return total
 
     def _remember_keys(self, seq: Seq) -> None:
@@ -540,8 +541,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one forward pass over every scheduled sequence."""
         outs: list[RequestOutput] = []
-        if self.tiers is not None:
-            self.tiers.poll()
+        if self.tier_chain is not None:
+            self.tier_chain.poll()
         for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
             self._finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
@@ -560,8 +561,8 @@ class Engine:
         events = self.events
         try:
             events.drain_device(self.manager)
-            if self.tiers is not None:
-                events.drain(self.tiers)
+            if self.tier_chain is not None:
+                events.drain(self.tier_chain)
             events.flush()
         except Exception:  # a subscriber problem never stops the engine
             log.exception("publishing KV events failed")
@@ -670,8 +671,8 @@ class Engine:
         if any(k in self._unready for k in keys[:device_hit]):
             return None  # another request is computing (or loading) this prefix: wait for it
         tier_hit = 0
-        if self.tiers is not None and self.prefix_caching and device_hit < limit:
-            tier_hit = len(self.tiers.lookup(keys[device_hit:limit]))
+        if self.tier_chain is not None and self.prefix_caching and device_hit < limit:
+            tier_hit = len(self.tier_chain.lookup(keys[device_hit:limit]))
         hit = (device_hit + tier_hit) * bs
         upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
         swapped = seq.swapped
@@ -714,9 +715,9 @@ class Engine:
             m.cached_tokens = seq.computed
             self.counters.cached_prompt_tokens += seq.computed
         if tier_hit:
-            assert self.tiers is not None
+            assert self.tier_chain is not None
             blocks = seq.table.blocks[device_hit : device_hit + tier_hit]
-            seq.load = self.tiers.start_load(keys[device_hit : device_hit + tier_hit], blocks)
+            seq.load = self.tier_chain.start_load(keys[device_hit : device_hit + tier_hit], blocks)
         self._mark_unready(seq)
         if seq.load is not None:
             return 0
@@ -726,7 +727,7 @@ class Engine:
 
     def _finish_loads(self, outs: list[RequestOutput], *, wait: bool) -> None:
         """Install the prefix loads that are in (with ``wait``, the oldest at least)."""
-        tiers = self.tiers
+        tiers = self.tier_chain
         if tiers is None:
             return
         for seq in list(self._running):
@@ -737,7 +738,7 @@ class Engine:
             wait = False
 
     def _complete_load(self, seq: Seq) -> None:
-        tiers = self.tiers
+        tiers = self.tier_chain
         assert tiers is not None and seq.load is not None and seq.table is not None
         pending, seq.load = seq.load, None
         loaded = tiers.finish_load(pending) * self.manager.block_size
@@ -752,7 +753,7 @@ class Engine:
     def _load_tail(self, seq: Seq) -> None:
         """Bring a swapped-out sequence's partial last block back from its tier."""
         swapped, seq.swapped = seq.swapped, None
-        if swapped is None or swapped.tail_key is None or self.tiers is None:
+        if swapped is None or swapped.tail_key is None or self.tier_chain is None:
             return
         bs = self.manager.block_size
         n = swapped.num_computed_tokens
@@ -762,7 +763,7 @@ class Engine:
             n % bs
             and seq.computed == full * bs
             and seq.known > n
-            and self.tiers.load_tail(swapped, seq.table.blocks[full])
+            and self.tier_chain.load_tail(swapped, seq.table.blocks[full])
         ):
             seq.computed = n
             self.counters.loaded_prompt_tokens += n - full * bs
@@ -862,7 +863,7 @@ class Engine:
         seq.computed = start + n
         prompt_part = max(0, min(seq.computed, seq.admit_len) - start)
         self.counters.computed_prompt_tokens += prompt_part
-        tiers = self.tiers
+        tiers = self.tier_chain
         bs = self.manager.block_size
         first, last = start // bs, seq.computed // bs
         if tiers is not None and tiers.writes_through and last > first:
@@ -951,8 +952,8 @@ class Engine:
         if seq.table is None:
             return
         if seq.load is not None:
-            assert self.tiers is not None
-            self.tiers.finish_load(seq.load)  # releases the tiers' pins on what it read
+            assert self.tier_chain is not None
+            self.tier_chain.finish_load(seq.load)  # releases the tiers' pins on what it read
             seq.load = None
         if not keep:
             self.manager.abort(seq.seq_id, seq.metrics.cached_tokens if seq.admissions == 1 else 0)
@@ -973,13 +974,13 @@ class Engine:
         if seq.load is not None:
             self._complete_load(seq)
         if (
-            self.tiers is not None
+            self.tier_chain is not None
             and self.prefix_caching
             and seq.known == seq.computed
             and seq.computed > 0
         ):
             try:
-                seq.swapped = self.tiers.swap_out(seq.seq_id, seq.tokens, seq.computed)
+                seq.swapped = self.tier_chain.swap_out(seq.seq_id, seq.tokens, seq.computed)
                 seq.table = None
                 seq.known = seq.computed = 0
                 self._mark_unready(seq)
@@ -1007,8 +1008,8 @@ class Engine:
         if seq.table is not None:
             if reason == "error":
                 if seq.load is not None:
-                    assert self.tiers is not None
-                    self.tiers.finish_load(seq.load)
+                    assert self.tier_chain is not None
+                    self.tier_chain.finish_load(seq.load)
                     seq.load = None
                 self.manager.abort(seq.seq_id, seq.computed)
                 seq.table = None

@@ -152,7 +152,9 @@ class KvTierCache(Cache):
                 f"{manager.pool.num_blocks}: size them alike"
             )
         ids = _as_ids(prompt_ids, "prompt_ids")
-        if tiers is not None and (tiers.storage is not storage or tiers.manager is not manager):
+        if tiers is not None and (
+            tiers.storage is not storage or tiers.device_manager is not manager
+        ):
             raise ConfigError("the tier chain was built for another storage or manager")
         alloc = manager.allocate(request_id, ids, extra_keys=extra_keys)
         cached = alloc.num_cached_tokens

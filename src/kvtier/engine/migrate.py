@@ -179,7 +179,7 @@ def detach(engine: Engine, request_id: str, *, via: Via = "direct") -> Departure
             n_blocks = -(-computed // bs)
             dep.payload = engine.storage.export_blocks(seq.table.blocks[:n_blocks])
         else:
-            tiers = engine.tiers
+            tiers = engine.tier_chain
             shared = None if tiers is None else tiers.shared_tier()
             if tiers is None or shared is None:
                 raise MigrationError(
@@ -218,8 +218,8 @@ def release(engine: Engine, dep: Departure) -> None:
     for swapped in (dep.swapped, seq.swapped):
         # A partial last block this engine stored for the request is no use to it now
         # (the destination loads it from the shared medium, or recomputes it).
-        if swapped is not None and swapped.tail_key is not None and engine.tiers is not None:
-            engine.tiers.tiers[swapped.tail_tier].manager.remove([swapped.tail_key])
+        if swapped is not None and swapped.tail_key is not None and engine.tier_chain is not None:
+            engine.tier_chain.tiers[swapped.tail_tier].offload_manager.remove([swapped.tail_key])
     engine._by_id.pop(seq.request_id, None)
     engine.counters.migrated_out += 1
 
@@ -329,7 +329,7 @@ def attach_state(engine: Engine, state: dict[str, Any], request_id: str | None =
                     str(state["layout"]))  # fmt: skip
         computed = int(state["computed"])
         tail = state.get("tail_key")
-        tiers = engine.tiers
+        tiers = engine.tier_chain
         shared = None if tiers is None else tiers.shared_tier()
         if computed and shared is None:
             raise MigrationError(

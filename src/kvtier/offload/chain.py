@@ -127,7 +127,7 @@ class Tier:
         self.store = store
         self.name = name or store.name
         self.codec = make_codec(codec)
-        self.manager = OffloadingManager(capacity_blocks, policy, medium=self.name)
+        self.offload_manager = OffloadingManager(capacity_blocks, policy, medium=self.name)
         self.counters = TierCounters()
         #: The format of this tier's blocks (set when the chain binds it).
         self.fmt: ItemFormat | None = None
@@ -142,12 +142,13 @@ class Tier:
 
     @property
     def capacity(self) -> int:
-        return self.manager.capacity
+        return self.offload_manager.capacity
 
     def __repr__(self) -> str:
         return (
-            f"Tier({self.name}, {len(self.manager)}/{self.capacity} blocks, "
-            f"codec={self.codec.name}, policy={self.manager.policy.name}, {self.write_mode})"
+            f"Tier({self.name}, {len(self.offload_manager)}/{self.capacity} blocks, "
+            f"codec={self.codec.name}, policy={self.offload_manager.policy.name}, "
+            f"{self.write_mode})"
         )
 
 
@@ -228,7 +229,7 @@ class TierChain:
     def __init__(
         self,
         storage: KVBlockStorage,
-        manager: KVCacheManager,
+        device_manager: KVCacheManager,
         tiers: Sequence[Tier],
         *,
         write_mode: str | None = None,
@@ -247,11 +248,11 @@ class TierChain:
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be distinct, got {names}")
         self.storage = storage
-        self.manager = manager
+        self.device_manager = device_manager
         self.tiers = list(tiers)
         self.transfer = transfer or TransferEngine(max(2, len(self.tiers)))
         self._own_transfer = transfer is None
-        ns = namespace or f"{manager.hasher.root:032x}"[:16]
+        ns = namespace or f"{device_manager.hasher.root:032x}"[:16]
         self.namespace = ns
         self._pending: dict[int, tuple[int, list[int], int]] = {}  # job -> (tier, keys, bytes)
         # Serializes the chain's bookkeeping between the engine thread and
@@ -277,7 +278,7 @@ class TierChain:
             if tier.store.caps.persistent:
                 self._adopt_persistent(tier)
         if self.tiers[0].writes_back:
-            manager.add_evict_listener(self._on_device_evict)
+            device_manager.add_evict_listener(self._on_device_evict)
 
     # -- restart ---------------------------------------------------------------------
     def _adopt_persistent(self, tier: Tier) -> None:
@@ -288,7 +289,7 @@ class TierChain:
             return
         if len(keys) > tier.capacity:
             keys = keys[-tier.capacity :]  # the newest ones
-        adopted = tier.manager.adopt(keys)
+        adopted = tier.offload_manager.adopt(keys)
         tier.counters.adopted_blocks += len(adopted)
         if adopted:
             log.info("%s tier: found %d blocks from an earlier run", tier.name, len(adopted))
@@ -310,7 +311,7 @@ class TierChain:
             key = keys[i]
             where = -1
             for t, tier in enumerate(tiers):
-                if tier.manager.is_ready(key):
+                if tier.offload_manager.is_ready(key):
                     where = t
                     break
             if where < 0:
@@ -330,7 +331,7 @@ class TierChain:
             if not tier.store.caps.shared or t in probed:
                 continue
             probed.add(t)
-            rest = [k for k in keys[i:] if k not in tier.manager]
+            rest = [k for k in keys[i:] if k not in tier.offload_manager]
             if not rest or rest[0] != keys[i]:
                 continue
             try:
@@ -343,8 +344,8 @@ class TierChain:
             while n < len(present) and present[n]:
                 n += 1
             if n:
-                tier.counters.adopted_blocks += len(tier.manager.adopt(rest[:n]))
-                if tier.manager.is_ready(keys[i]):
+                tier.counters.adopted_blocks += len(tier.offload_manager.adopt(rest[:n]))
+                if tier.offload_manager.is_ready(keys[i]):
                     return t
         return -1
 
@@ -377,13 +378,13 @@ class TierChain:
                 n = 0
                 while n < len(plan) and plan[n] == t:
                     n += 1
-                tier.manager.on_request(keys, n)
+                tier.offload_manager.on_request(keys, n)
             if not plan:
                 return None
             batches = self._plan_batches(plan, keys, blocks)
             for b in batches:
                 tier = self.tiers[b.tier]
-                b.slots = tier.manager.prepare_load(b.keys)
+                b.slots = tier.offload_manager.prepare_load(b.keys)
                 items = list(zip(b.keys, b.slots, strict=True))
                 if not tier.store.caps.background:
                     try:
@@ -425,7 +426,7 @@ class TierChain:
                         break
             finally:
                 for b in pending.batches:
-                    self.tiers[b.tier].manager.complete_load(b.keys)
+                    self.tiers[b.tier].offload_manager.complete_load(b.keys)
             return loaded
 
     @staticmethod
@@ -492,7 +493,7 @@ class TierChain:
         if bad:
             self._forget(tier, bad, b)
         if n:
-            tier.manager.touch(b.keys[:n])
+            tier.offload_manager.touch(b.keys[:n])
         return n
 
     def _forget(self, tier: Tier, keys: list[int], b: _Batch) -> None:
@@ -501,7 +502,7 @@ class TierChain:
         This load's pins on them are released here and the keys leave
         ``b.keys``, so the caller's ``complete_load(b.keys)`` still balances.
         """
-        mgr = tier.manager
+        mgr = tier.offload_manager
         items = [(k, mgr.slot_of(k)) for k in keys]
         mgr.complete_load(keys)
         mgr.remove(keys)
@@ -579,7 +580,7 @@ class TierChain:
         self, t: int, keys: list[int], payloads: list[torch.Tensor], *, cascade: bool = True
     ) -> None:
         tier = self.tiers[t]
-        mgr = tier.manager
+        mgr = tier.offload_manager
         out = mgr.prepare_store(keys)
         # More than the tier can make room for: keep the last keys (a demoted
         # batch lists children before parents, and parents serve more prefixes).
@@ -696,13 +697,13 @@ class TierChain:
             t, keys, nbytes = meta
             tier = self.tiers[t]
             if r.ok:
-                tier.manager.complete_store(keys, success=True)
+                tier.offload_manager.complete_store(keys, success=True)
                 tier.counters.stored_blocks += len(keys)
                 tier.counters.stored_bytes += nbytes
                 self._store_ok(tier)
                 self._reachable(t)
             else:
-                tier.manager.complete_store(keys, success=False)
+                tier.offload_manager.complete_store(keys, success=False)
                 tier.counters.store_failures += len(keys)
                 self._store_failed(tier, r.error)
         self._maybe_reconcile()
@@ -761,7 +762,7 @@ class TierChain:
         tier = self.tiers[t]
         if not (tier.store.caps.persistent or tier.store.caps.shared):
             return 0  # host memory loses nothing behind the chain's back
-        mgr = tier.manager
+        mgr = tier.offload_manager
         keys = mgr.ready_keys()
         if not keys:
             return 0
@@ -815,7 +816,7 @@ class TierChain:
         request. The request's device blocks are released and, where no
         other request holds them, given back to the free list.
         """
-        mgr = self.manager
+        mgr = self.device_manager
         with self._lock:
             swapped = self.store_request(
                 request_id, token_ids, num_computed_tokens, extra_keys=extra_keys
@@ -841,7 +842,7 @@ class TierChain:
         """
         if not 0 <= tier < len(self.tiers):
             raise ConfigError(f"tier {tier} is not one of this chain's {len(self.tiers)} tiers")
-        mgr = self.manager
+        mgr = self.device_manager
         with self._lock:
             self._poll_locked()
             blocks = mgr.block_table(request_id).blocks
@@ -876,12 +877,12 @@ class TierChain:
             return False
         with self._lock:
             tier = self.tiers[swapped.tail_tier]
-            if not tier.manager.is_ready(swapped.tail_key) and not self._adopt_tail(
+            if not tier.offload_manager.is_ready(swapped.tail_key) and not self._adopt_tail(
                 swapped.tail_tier, swapped.tail_key
             ):
                 return False
             b = _Batch(swapped.tail_tier, 0, [swapped.tail_key], [block])
-            b.slots = tier.manager.prepare_load(b.keys)
+            b.slots = tier.offload_manager.prepare_load(b.keys)
             try:
                 b.stored = tier.store.get(list(zip(b.keys, b.slots, strict=True)))
             except KvTierError as exc:
@@ -889,14 +890,14 @@ class TierChain:
             try:
                 ok = self._install(b) == 1
             finally:
-                tier.manager.complete_load(b.keys)
+                tier.offload_manager.complete_load(b.keys)
             if ok:
                 if tier.store.caps.shared and tier.store.caps.purge:
                     # The tail is this request's alone: free the shared medium of it too.
                     with contextlib.suppress(KvTierError):
-                        slot = tier.manager.slot_of(swapped.tail_key)
+                        slot = tier.offload_manager.slot_of(swapped.tail_key)
                         tier.store.purge([(swapped.tail_key, slot)])
-                tier.manager.remove([swapped.tail_key])
+                tier.offload_manager.remove([swapped.tail_key])
             return ok
 
     def _adopt_tail(self, t: int, key: int) -> bool:
@@ -909,7 +910,7 @@ class TierChain:
         except TierUnavailableError as exc:
             self._unreachable(tier, exc)
             return False
-        return bool(present and present[0]) and bool(tier.manager.adopt([key]))
+        return bool(present and present[0]) and bool(tier.offload_manager.adopt([key]))
 
     # -- compress ----------------------------------------------------------------------------
     def device_tier(self) -> int | None:
@@ -945,7 +946,7 @@ class TierChain:
         started = time.perf_counter()
         with self._lock:
             self._poll_locked()
-            pool = self.manager.pool
+            pool = self.device_manager.pool
             chain = pool.lookup(keys)
             # Held blocks are a prefix of the chain (a request holds all of its
             # blocks' parents), so the free ones are its tail.
@@ -970,7 +971,7 @@ class TierChain:
                 assert key is not None
                 move_keys.append(key)
             self._store_blocks(t, move_keys, order, cascade=True)
-            held = self.tiers[t].manager
+            held = self.tiers[t].offload_manager
             # Withdraw only whole subtrees the tier took: a block leaves with its descendants.
             gone: set[int] = set()
             for b, key in zip(order, move_keys, strict=True):
@@ -995,7 +996,7 @@ class TierChain:
         with self._lock:
             out: list[OffloadingEvent] = []
             for tier in self.tiers:
-                out.extend(tier.manager.take_events())
+                out.extend(tier.offload_manager.take_events())
             return out
 
     def stats(self) -> dict[str, dict[str, float]]:
@@ -1006,19 +1007,19 @@ class TierChain:
             for tier in self.tiers:
                 d: dict[str, float] = dict(vars(tier.counters))
                 d["capacity_blocks"] = tier.capacity
-                d["used_blocks"] = len(tier.manager)
-                d["evictions"] = tier.manager.evictions
+                d["used_blocks"] = len(tier.offload_manager)
+                d["evictions"] = tier.offload_manager.evictions
                 # Against the pool's own block size: what the codec saves.
                 stored = tier.fmt.payload_size if tier.fmt is not None else device_bytes
                 d["compression_ratio"] = device_bytes / stored
-                d["bytes_saved"] = len(tier.manager) * (device_bytes - stored)
+                d["bytes_saved"] = len(tier.offload_manager) * (device_bytes - stored)
                 out[tier.name] = d
             return out
 
     def check(self) -> None:
         with self._lock:
             for tier in self.tiers:
-                tier.manager.check()
+                tier.offload_manager.check()
 
     def close(self) -> None:
         """Finish background stores, detach from the device pool and close the media."""
@@ -1026,7 +1027,7 @@ class TierChain:
             return
         self._closed = True
         self.flush()
-        self.manager.remove_evict_listener(self._on_device_evict)
+        self.device_manager.remove_evict_listener(self._on_device_evict)
         if self._own_transfer:
             self.transfer.shutdown()
         for tier in self.tiers:

@@ -67,7 +67,7 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         last=None if c.last is None else c.last.as_dict(),
         loaded_prompt_tokens=c.loaded_prompt_tokens,
         forked_sequences=c.forked_sequences,
-        tiers={} if engine.tiers is None else engine.tiers.stats(),
+        tiers={} if engine.tier_chain is None else engine.tier_chain.stats(),
         pressure=None if engine.pressure is None else engine.pressure.stats(),
     )
 
