@@ -38,11 +38,11 @@ def test_an_out_of_tree_medium_loads_by_module_and_serves_an_engine() -> None:
     model, tok = tiny_model_and_tokenizer()
     kw = {"model_id": "tiny", "block_size": 4, "num_blocks": 64}
     a = Engine(model, tok, tiers=[spec], **kw)
-    assert a.tiers is not None and a.tiers.write_mode == "write_through"  # shared medium
+    assert a.tier_chain is not None and a.tier_chain.write_mode == "write_through"  # shared medium
     prompt = list(range(5, 5 + 33))
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     first = [t for o in a.generate(prompt, p) for t in o.token_ids]
-    a.tiers.flush()
+    a.tier_chain.flush()
     b = Engine(model, tok, tiers=[TierSpec.from_url("dict:shelf-a?size=4MiB")], **kw)
     second = [t for o in b.generate(prompt, p) for t in o.token_ids]
     assert first == second == solo_greedy(model, prompt, 4)

@@ -191,8 +191,8 @@ def test_preempted_quantized_requests_swap_and_resume(
         flat = [(a, b) for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True)]
         assert sum(a == b for a, b in flat) >= 25
     tight.manager.check()
-    assert tight.tiers is not None
-    tight.tiers.check()
+    assert tight.tier_chain is not None
+    tight.tier_chain.check()
     tight.close()
 
 

@@ -482,7 +482,7 @@ def test_two_servers_on_one_redis_share_a_prompt_at_once() -> None:
         tier = TierSpec("redis", 64 * 2**20, location=redis.url)
         a = tiny_engine(num_blocks=128, block_size=8, tiers=[tier])
         b = tiny_engine(num_blocks=128, block_size=8, tiers=[tier])
-        assert a.tiers is not None and a.tiers.write_mode == "write_through"
+        assert a.tier_chain is not None and a.tier_chain.write_mode == "write_through"
         with serving(a) as sa, serving(b) as sb:
             messages = [{"role": "user", "content": content}]
             first = sa.client().chat.completions.create(

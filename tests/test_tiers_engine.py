@@ -176,14 +176,14 @@ def test_two_engines_share_blocks_through_redis(
     p = prompts(1, seed=9, length=41)[0]
     expected = collect_text(reference, p)
     assert collect_text(a, p) == expected
-    assert a.tiers is not None and b.tiers is not None
-    a.tiers.flush()
+    assert a.tier_chain is not None and b.tier_chain is not None
+    a.tier_chain.flush()
     # b never saw this prompt: its prefix comes from what a stored in Redis.
     assert collect_text(b, p) == expected
     assert b.counters.loaded_prompt_tokens == (len(p) - 1) // 4 * 4
-    assert b.tiers.stats()["redis"]["adopted_blocks"] > 0
-    a.tiers.close()
-    b.tiers.close()
+    assert b.tier_chain.stats()["redis"]["adopted_blocks"] > 0
+    a.tier_chain.close()
+    b.tier_chain.close()
 
 
 @needs_redis
