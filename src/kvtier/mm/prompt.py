@@ -162,6 +162,21 @@ def _as_text(messages: list[dict[str, Any]], image_token: str) -> list[dict[str,
     return out
 
 
+def _refuse_typed_image_tokens(messages: list[dict[str, Any]], image_token: str) -> None:
+    """Text that spells the image token would place an image where the client put none."""
+    for m in messages:
+        content = m.get("content")
+        texts = [content] if isinstance(content, str) else [
+            part.get("text") for part in content or () if isinstance(part, dict)
+        ]
+        if any(isinstance(t, str) and image_token in t for t in texts):
+            raise BadRequestError(
+                f"message text may not contain the model's image token {image_token!r}: send "
+                "images as image_url content parts",
+                param="messages",
+            )
+
+
 def build_chat_prompt(
     model: ImageTextModel,
     messages: list[dict[str, Any]],
@@ -178,6 +193,7 @@ def build_chat_prompt(
     """
     tok = model.tokenizer
     n = len(items)
+    _refuse_typed_image_tokens(messages, model.image_token)
     text = _render(tok, messages)
     if text.count(model.image_token) != n:
         text = _render(tok, _as_text(messages, model.image_token))
