@@ -201,3 +201,17 @@ def test_bad_multimodal_requests_are_refused(llava: tuple[Any, Any]) -> None:
     bad[mm.placeholders[0].positions[0]] = 40
     with pytest.raises(BadRequestError, match="placeholders"):
         engine.add_request(bad, GREEDY, mm=mm)
+
+
+def test_a_request_with_images_does_not_move(llava: tuple[Any, Any]) -> None:
+    from kvtier.engine.migrate import migrate
+    from kvtier.errors import MigrationError
+
+    src, dst = make_engine(llava), make_engine(llava)
+    ids, mm = src.encode_multimodal_chat(chat("stay"), [image(1)])
+    rid = src.add_request(ids, GREEDY, mm=mm)
+    src.step()
+    with pytest.raises(MigrationError, match="carries images"):
+        migrate(src, dst, rid)
+    while src.has_unfinished():
+        src.step()
