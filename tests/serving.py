@@ -14,6 +14,7 @@ import openai
 import uvicorn
 
 from kvtier.engine import Engine, EngineWorker
+from kvtier.mm.images import ImageLimits
 from kvtier.server import create_app
 from kvtier.server.limits import ServerLimits
 
@@ -35,11 +36,15 @@ class Server:
 
 @contextmanager
 def serving(
-    engine: Engine, name: str = MODEL, *, limits: ServerLimits | None = None
+    engine: Engine,
+    name: str = MODEL,
+    *,
+    limits: ServerLimits | None = None,
+    image_limits: ImageLimits | None = None,
 ) -> Iterator[Server]:
     """Serve ``engine`` with uvicorn on a free loopback port, in a background thread."""
     worker = EngineWorker(engine).start()
-    app = create_app(worker, served_model_name=name, limits=limits)
+    app = create_app(worker, served_model_name=name, limits=limits, image_limits=image_limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -203,6 +203,14 @@ _LAZY = {
     "LegacyOffloadingManager": "kvtier.integrations.vllm.legacy",
     "KvEventPublisher": "kvtier.integrations.vllm.events",
     "KvtierCachePolicy": "kvtier.integrations.vllm.cache_policy",
+    "EncoderCache": "kvtier.mm.cache",
+    "EncoderCacheStats": "kvtier.mm.cache",
+    "FunctionEncoder": "kvtier.mm.cache",
+    "EncoderTier": "kvtier.mm.tiers",
+    "EncoderCacheSpec": "kvtier.mm.config",
+    "EncoderSpec": "kvtier.mm.keys",
+    "MediaItem": "kvtier.mm.keys",
+    "ItemKeyer": "kvtier.mm.keys",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)

@@ -36,6 +36,10 @@ from kvtier.layout import KVLayout
 
 #: One extra key part: ints, strings and bytes are accepted.
 ExtraKey = int | str | bytes
+#: A multimodal item in a prompt: the position of its first placeholder token and
+#: its content key. It is mixed into the block holding that position and every
+#: block after it.
+ItemKey = tuple[int, ExtraKey]
 
 HASH_ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
 #: The key format (see the module docstring); 1 is the format since the first release.
@@ -64,6 +68,45 @@ def _encode_extra(parts: Sequence[ExtraKey]) -> bytes:
             )
         out += tag + len(payload).to_bytes(4, "little") + payload
     return bytes(out)
+
+
+def check_item_keys(items: Sequence[ItemKey]) -> tuple[ItemKey, ...]:
+    """``items`` validated and sorted by position; :class:`BadRequestError` if malformed."""
+    out: list[ItemKey] = []
+    for entry in items:
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            raise BadRequestError(
+                f"item keys are (position, key) pairs, got {entry!r}", param="item_keys"
+            )
+        pos, key = entry
+        if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+            raise BadRequestError(
+                f"an item's position must be a non-negative int, got {pos!r}", param="item_keys"
+            )
+        _encode_extra((key,))  # raises for a part of the wrong type
+        out.append((pos, key))
+    out.sort(key=lambda e: e[0])
+    return tuple(out)
+
+
+def item_block_extra(
+    items: Sequence[ItemKey], first_block: int, num_blocks: int, block_size: int
+) -> list[tuple[ExtraKey, ...]] | None:
+    """Per-block extra keys for blocks ``first_block ..`` of a prompt holding ``items``.
+
+    Block ``b`` gets the key of every item whose first placeholder token is
+    at a position before the block's end: the block holding that token and
+    every later block. So the same text with another image never shares a
+    block from the placeholder on, and the same image at the same place does.
+    ``None`` when there are no items (the keys are then those of plain text).
+    """
+    if not items:
+        return None
+    out: list[tuple[ExtraKey, ...]] = []
+    for b in range(first_block, first_block + num_blocks):
+        end = (b + 1) * block_size
+        out.append(tuple(key for pos, key in items if pos < end))
+    return out
 
 
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:

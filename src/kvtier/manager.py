@@ -33,7 +33,14 @@ from kvtier.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvtier.keys import BlockHasher, ExtraKey, Namespace
+from kvtier.keys import (
+    BlockHasher,
+    ExtraKey,
+    ItemKey,
+    Namespace,
+    check_item_keys,
+    item_block_extra,
+)
 from kvtier.policy.base import EvictionPolicy, RequestHook, request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.pool import STORED, BlockPool, EvictListener, JournalEntry
@@ -117,11 +124,18 @@ class CacheStats:
 
 
 class _Request:
-    __slots__ = ("chain_open", "extra", "keys", "shadow", "table", "tail")
+    __slots__ = ("chain_open", "extra", "items", "keys", "shadow", "table", "tail")
 
-    def __init__(self, table: BlockTable, extra: tuple[ExtraKey, ...]) -> None:
+    def __init__(
+        self,
+        table: BlockTable,
+        extra: tuple[ExtraKey, ...],
+        items: tuple[ItemKey, ...] = (),
+    ) -> None:
         self.table = table
         self.extra = extra
+        #: Multimodal items (first placeholder position, content key), by position.
+        self.items = items
         #: Keys of the leading full blocks published (or held as shadows).
         self.keys: list[int] = []
         #: Tokens after the last keyed block: what the next block key hashes.
@@ -334,6 +348,7 @@ class KVCacheManager:
         block_keys: Sequence[int] | None = None,
         hints: Mapping[str, object] | None = None,
         request_keys: Sequence[int] | None = None,
+        item_keys: Sequence[ItemKey] = (),
     ) -> Allocation:
         """Start a request: reuse its longest cached prefix and allocate the rest.
 
@@ -344,7 +359,11 @@ class KVCacheManager:
         ``hints`` go to a request-aware policy's ``on_request`` with the keys;
         an engine that allocates a long prompt chunk by chunk passes the whole
         prompt's keys as ``request_keys``, so the policy hears of the request
-        as it is, not of its first chunk. The last prompt token is never
+        as it is, not of its first chunk. ``item_keys`` are the prompt's
+        multimodal items, ``(position of the first placeholder token, content
+        key)``: each is mixed into the block holding that position and every
+        later block (:func:`~kvtier.keys.item_block_extra`), for the blocks
+        allocated now and those later tokens fill. The last prompt token is never
         reported cached: the engine needs at least one token to compute logits
         from.
         """
@@ -356,6 +375,7 @@ class KVCacheManager:
             raise DuplicateRequestError(request_id)
         bs = self.block_size
         extra = tuple(extra_keys)
+        items = check_item_keys(item_keys) if item_keys else ()
         if isinstance(token_ids, (str, bytes)) or len(token_ids) == 0:
             _token_array(token_ids, "token_ids")  # raises the right error
         n = len(token_ids)
@@ -364,7 +384,9 @@ class KVCacheManager:
         tail = _token_array(token_ids[n_full * bs :], "token_ids", allow_empty=True)
         if block_keys is None:
             try:
-                keys = self.hasher.chain(token_ids, extra=extra)
+                keys = self.hasher.chain(
+                    token_ids, extra=extra, block_extra=item_block_extra(items, 0, n_full, bs)
+                )
             except BadRequestError:
                 _token_array(token_ids, "token_ids")  # a precise message
                 raise
@@ -389,7 +411,7 @@ class KVCacheManager:
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
         table = BlockTable(bs, hits + new_blocks, n)
-        req = _Request(table, extra)
+        req = _Request(table, extra, items)
         req.keys = keys[:n_hit]
         self._requests[request_id] = req
         if n_full > n_hit:
@@ -540,7 +562,9 @@ class KVCacheManager:
         bs = self.block_size
         cut = (n_full - len(req.keys)) * bs
         parent = req.keys[-1] if req.keys else None
-        more = self.hasher.chain(req.tail[:cut], parent, extra=req.extra)
+        first = len(req.keys)
+        block_extra = item_block_extra(req.items, first, n_full - first, bs)
+        more = self.hasher.chain(req.tail[:cut], parent, extra=req.extra, block_extra=block_extra)
         del req.tail[:cut]
         return req.keys + more
 
@@ -611,7 +635,7 @@ class KVCacheManager:
             raise BadRequestError(f"request id {dst_id!r} is not hashable") from None
         if live:
             raise DuplicateRequestError(dst_id)
-        dst = _Request(src.table.copy(), src.extra)
+        dst = _Request(src.table.copy(), src.extra, src.items)
         dst.tail = array("I", src.tail)
         dst.keys = list(src.keys)
         dst.chain_open = src.chain_open

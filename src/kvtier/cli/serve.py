@@ -178,6 +178,31 @@ def engine_config(args: argparse.Namespace) -> Any:
         pressure=_pressure_spec(args),
         sampling_defaults=sampling or None,
         kv_events=args.kv_events,
+        encoder_cache=_encoder_cache_spec(args),
+    )
+
+
+def _encoder_cache_spec(args: argparse.Namespace) -> Any:
+    from kvtier.mm.config import EncoderCacheSpec
+    from kvtier.offload.config import TierSpec
+
+    return EncoderCacheSpec(
+        size_bytes=args.encoder_cache_size,
+        max_entries=args.encoder_cache_entries,
+        policy=args.encoder_cache_policy,
+        tiers=tuple(TierSpec.from_url(url) for url in args.encoder_cache_tier or ()),
+        tenant_salt=args.encoder_cache_salt,
+    )
+
+
+def image_limits(args: argparse.Namespace) -> Any:
+    from kvtier.mm.images import ImageLimits
+
+    return ImageLimits(
+        max_images=args.max_images_per_request,
+        max_bytes=args.max_image_bytes,
+        max_pixels=args.max_image_pixels,
+        allowed_dir=args.allowed_local_media_path,
     )
 
 
@@ -346,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     config = engine_config(args)
     limits = server_limits(args)
+    images = image_limits(args)
     _check_device(args.device)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
@@ -373,7 +399,9 @@ def run(args: argparse.Namespace) -> int:
 
         worker = EngineWorker(engine, on_fatal=on_fatal).start()
         try:
-            app = create_app(worker, served_model_name=name, limits=limits)
+            app = create_app(
+                worker, served_model_name=name, limits=limits, image_limits=images
+            )
             uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
             server = uvicorn.Server(uv_config)
             if failed or worker.fatal is not None:  # it died before the server existed
@@ -539,6 +567,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     _add_limits(serve)
     _add_tiers(serve)
     _add_pressure(serve)
+    _add_images(serve)
     serve.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
@@ -596,6 +625,74 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="longest a client may take to send its request body; then 408 (default 30)",
+    )
+
+
+def _add_images(serve: argparse.ArgumentParser) -> None:
+    images = serve.add_argument_group(
+        "images",
+        "For a vision-language model (a LLaVA-style or Idefics3/SmolVLM-style directory): chat "
+        "content parts {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}}. "
+        "Images are never fetched from the network. Encoder outputs are cached by content.",
+    )
+    images.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="serve file:// image URLs for files under DIR (default: file:// is refused)",
+    )
+    images.add_argument(
+        "--max-images-per-request",
+        type=arg(positive_int, "image count"),
+        default=8,
+        metavar="N",
+        help="most images in one chat request (default 8)",
+    )
+    images.add_argument(
+        "--max-image-bytes",
+        type=arg(parse_memory_size, "memory size"),
+        default=16 * 2**20,
+        metavar="SIZE",
+        help="largest image file (default 16MiB; --max-request-bytes bounds data URLs too)",
+    )
+    images.add_argument(
+        "--max-image-pixels",
+        type=arg(positive_int, "pixel count"),
+        default=40_000_000,
+        metavar="N",
+        help="most pixels in one image, read from its header before decoding (default 40M)",
+    )
+    images.add_argument(
+        "--encoder-cache-size",
+        type=arg(parse_memory_size, "memory size"),
+        default=256 * 2**20,
+        metavar="SIZE",
+        help="memory for cached encoder outputs (default 256MiB; 0: off)",
+    )
+    images.add_argument(
+        "--encoder-cache-entries",
+        type=arg(positive_int, "entry count"),
+        metavar="N",
+        help="most cached encoder outputs (default: no limit but the size)",
+    )
+    images.add_argument(
+        "--encoder-cache-policy",
+        choices=available_policies(),
+        default="lru",
+        help="eviction policy of the encoder cache (default lru)",
+    )
+    images.add_argument(
+        "--encoder-cache-tier",
+        action="append",
+        metavar="URL",
+        help="a lower tier for encoder outputs, fastest first: host:1GiB, disk:DIR?size=10GiB, "
+        "redis://HOST:6379/0 (repeatable); other processes on the same disk or Redis share it",
+    )
+    images.add_argument(
+        "--encoder-cache-salt",
+        default="",
+        metavar="TEXT",
+        help="tenant salt mixed into every encoder-cache key (servers with different salts "
+        "never share entries)",
     )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
+from kvtier.mm.config import EncoderCacheSpec
 from kvtier.offload.config import TierSpec
 from kvtier.pressure.config import PressureSpec
 
@@ -151,6 +152,8 @@ class EngineConfig:
     sampling_defaults: Mapping[str, float] | None = None
     #: A ZeroMQ endpoint to publish KV events on, in vLLM's format (``None``: off).
     kv_events: str | None = None
+    #: The encoder-output cache of a vision-language model (unused for text models).
+    encoder_cache: EncoderCacheSpec = field(default_factory=EncoderCacheSpec)
 
     def __post_init__(self) -> None:
         from kvtier.engine.model import resolve_dtype

@@ -29,6 +29,15 @@ the manager consults its mode: PRESSURE and above keep a share of the pool
 empty by evicting (demoting, with tiers) in the policy's order, and EMERGENCY
 holds new requests back (up to ``max_wait``) or refuses them.
 
+A vision-language model (LLaVA-style, Idefics3/SmolVLM-style) runs the same
+way: a request built with :meth:`Engine.encode_multimodal_chat` carries its
+images (:class:`~kvtier.mm.prompt.MultimodalPrompt`); a pass that computes
+placeholder tokens feeds the decoder ``inputs_embeds`` with the images'
+features written over them, fetched once per request through the encoder
+cache (:class:`~kvtier.mm.cache.EncoderCache`). Its block keys carry each
+image's content key from the block of its first placeholder token on. Passes
+without images feed ``input_ids`` exactly as for a text-only model.
+
 The engine is single-threaded: :class:`~kvtier.engine.worker.EngineWorker`
 runs it on a thread of its own for concurrent callers.
 """
@@ -73,7 +82,7 @@ from kvtier.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, item_block_extra
 from kvtier.layout import cache_layout
 from kvtier.manager import KVCacheManager
 from kvtier.offload.chain import CompressionResult, Tier, TierChain
@@ -129,6 +138,8 @@ class Engine:
         pressure: PressureSpec | PressureController | None = None,
         kv_events: str | None = None,
         kv_cache_dtype: str = "auto",
+        image_processor: Any = None,
+        encoder_cache: Any = None,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -153,7 +164,9 @@ class Engine:
         #: and names the block keys' namespace.
         self.layout = cache_layout(self.model_layout, kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+        # A vision-language model's decoder settings sit in its text config.
+        text_config = getattr(model.config, "text_config", None) or model.config
+        model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2**31)
         plan = plan_cache(
             self.layout,
             model_len,
@@ -205,7 +218,13 @@ class Engine:
         #: ``temperature`` / ``top_p`` the server uses when a request leaves them out.
         self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0) or None
+        self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0) or None
+        from kvtier.mm.engine import setup_multimodal
+
+        #: The image-text adapter (``None`` for a text-only model) and the encoder cache.
+        self.vlm, self.encoder_cache = setup_multimodal(
+            model, tokenizer, model_id, image_processor, encoder_cache
+        )
         self.counters = EngineCounters()
         self._waiting: deque[Seq] = deque()
         #: Admitted sequences (computing, or loading their prefix), oldest first.
@@ -275,6 +294,7 @@ class Engine:
             "write_mode": config.write_mode,
             "pressure": config.pressure,
             "kv_events": config.kv_events,
+            "encoder_cache": config.encoder_cache,
         }
         if config.sampling_defaults is not None:
             kwargs["sampling_defaults"] = dict(config.sampling_defaults)
@@ -293,6 +313,7 @@ class Engine:
             tokenizer=tokenizer,
         )
         kwargs.setdefault("sampling_defaults", loaded.sampling_defaults)
+        kwargs.setdefault("image_processor", loaded.image_processor)
         return cls(loaded.model, loaded.tokenizer, model_id=loaded.model_id, **kwargs)
 
     def describe(self) -> list[str]:
@@ -331,6 +352,10 @@ class Engine:
             )
         if self.events is not None:
             lines.append(f"KV events (vLLM's format) published on {self.events.endpoint}")
+        if self.vlm is not None:
+            from kvtier.mm.engine import describe_multimodal
+
+            lines.extend(describe_multimodal(self.vlm, self.encoder_cache))
         return lines
 
     @classmethod
@@ -348,6 +373,7 @@ class Engine:
 
         loaded = load_model(spec, dtype=dtype, device=device, model_id=model_id)
         kwargs.setdefault("sampling_defaults", loaded.sampling_defaults)
+        kwargs.setdefault("image_processor", loaded.image_processor)
         return cls(loaded.model, loaded.tokenizer, model_id=loaded.model_id, **kwargs)
 
     # -- prompts ------------------------------------------------------------------
@@ -369,6 +395,18 @@ class Engine:
             ) from exc
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_multimodal_chat(
+        self, messages: Sequence[dict[str, Any]], items: Sequence[Any]
+    ) -> tuple[list[int], Any]:
+        """Token ids and the :class:`~kvtier.mm.prompt.MultimodalPrompt` of a chat with images.
+
+        ``messages`` hold content parts ``{"type": "image"}`` standing for
+        ``items`` (:class:`~kvtier.mm.keys.MediaItem`), in order.
+        """
+        from kvtier.mm.engine import encode_multimodal_chat
+
+        return encode_multimodal_chat(self, messages, items)
+
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str) or not prompt:
             raise BadRequestError("prompt must be a non-empty string", param="prompt")
@@ -379,7 +417,7 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise BadRequestError("the prompt is empty", param="messages")
-        vocab = int(getattr(self.model.config, "vocab_size", 2**32))
+        vocab = self.vocab_size or 2**32
         for t in prompt_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise BadRequestError(
@@ -415,11 +453,20 @@ class Engine:
         request_id: str | None = None,
         *,
         arrival_time: float | None = None,
+        mm: Any = None,
     ) -> str:
-        """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input."""
+        """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input.
+
+        ``mm`` is the request's :class:`~kvtier.mm.prompt.MultimodalPrompt`
+        (from :meth:`encode_multimodal_chat`), for a prompt with images.
+        """
         params = params or SamplingParams()
         ids = list(prompt_ids)
         self.check_request(ids, params)
+        if mm is not None:
+            from kvtier.mm.engine import check_multimodal
+
+            check_multimodal(self, ids, mm)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise BadRequestError(f"request id {rid!r} is already in the engine")
@@ -434,6 +481,7 @@ class Engine:
             seq_id=rid,
             forked=params.n == 1,
         )
+        seq.mm = mm
         self._waiting.append(seq)
         self._by_id[rid] = [seq]
         self.counters.requests_added += 1
@@ -462,6 +510,8 @@ class Engine:
                     if seq in q:
                         q.remove(seq)
                 self._by_id.pop(seq.request_id, None)
+                if seq.mm is not None:
+                    seq.mm.release()
                 outs.append(
                     RequestOutput(
                         seq.request_id, "", [], True, "error", seq.metrics, error, index=seq.index
@@ -665,7 +715,10 @@ class Engine:
         extra: tuple[str, ...] = () if self.prefix_caching else (
             f"private:{seq.seq_id}:{seq.admissions}",
         )
-        keys = self.manager.hasher.chain(tokens, extra=extra)
+        items = seq.mm.item_keys if seq.mm is not None else ()
+        keys = self.manager.hasher.chain(
+            tokens, extra=extra, block_extra=item_block_extra(items, 0, n // bs, bs)
+        )
         limit = (n - 1) // bs  # the last token is always computed: its logits are needed
         device_hit = len(self.manager.pool.lookup(keys[:limit])) if self.prefix_caching else 0
         if any(k in self._unready for k in keys[:device_hit]):
@@ -685,6 +738,7 @@ class Engine:
                 extra_keys=extra,
                 block_keys=keys[: upto // bs],
                 request_keys=keys,
+                item_keys=items,
             )
         except OutOfBlocksError as exc:
             if self._running:
@@ -806,6 +860,12 @@ class Engine:
     # -- the forward pass ------------------------------------------------------------------
     def _execute(self, batch: list[tuple[Seq, int]], outs: list[RequestOutput]) -> None:
         """One forward pass over ``batch``; then advance, sample, and finish what ended."""
+        if any(seq.mm is not None for seq, _ in batch):
+            from kvtier.mm.engine import fetch_features
+
+            batch = fetch_features(self, batch, outs)
+            if not batch:
+                return
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
@@ -822,9 +882,16 @@ class Engine:
                 samplers.append(seq)
         try:
             meta = BatchMeta(self.storage, slices)
+            inputs: dict[str, torch.Tensor] = {
+                "input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)
+            }
+            if any(seq.mm is not None for seq, _ in batch):
+                from kvtier.mm.engine import input_embeddings
+
+                inputs = {"inputs_embeds": input_embeddings(self, batch, inputs["input_ids"])}
             with torch.no_grad():
                 out = self.model(
-                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                    **inputs,
                     position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
                     attention_mask=self._no_mask,
                     use_cache=False,
@@ -894,6 +961,7 @@ class Engine:
                     forked=True,
                     admissions=1,
                 )
+                child.mm = seq.mm  # a resumed choice recomputes its prompt from the same images
                 child.table = self.manager.fork(seq.seq_id, child.seq_id)
                 child.known, child.computed = seq.known, seq.computed
                 child.admit_len = seq.admit_len
@@ -1026,6 +1094,8 @@ class Engine:
             group.remove(seq)
             if not group:
                 del self._by_id[seq.request_id]
+        if seq.mm is not None and not self._by_id.get(seq.request_id):
+            seq.mm.release()  # the last choice ended: its images' cache entries unpin
         m = seq.metrics
         m.finish_time = time.perf_counter()
         c = self.counters

@@ -152,6 +152,10 @@ def _find(engine: Engine, request_id: str) -> Seq:
     seq = group[0]
     if seq.cancelled:
         raise MigrationError(f"request {request_id!r} was cancelled")
+    if seq.mm is not None:
+        # Its images' features live in this process; the destination would
+        # recompute placeholder tokens without them.
+        raise MigrationError(f"request {request_id!r} carries images; it cannot move")
     if seq not in engine._running and seq not in engine._waiting:
         raise MigrationError(f"request {request_id!r} is already moving")
     return seq

@@ -45,6 +45,8 @@ class LoadedModel:
     source: str
     #: Recommended ``temperature`` / ``top_p`` for requests that leave them out.
     sampling_defaults: dict[str, float]
+    #: A vision-language model's image processor (``None``: text only, or none saved).
+    image_processor: Any = None
 
 
 def default_model_file() -> Path:
@@ -238,10 +240,12 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from the default GGUF, a GGUF file or a directory.
 
-    The tokenizer loads first (or is given); ``check_tokenizer`` may refuse it
-    (raise) before the weights, the slow part, are read.
+    A directory holding an image-text-to-text model (a ``vision_config`` in
+    its ``config.json``: LLaVA, Idefics3/SmolVLM) loads as one, with its image
+    processor. The tokenizer loads first (or is given); ``check_tokenizer``
+    may refuse it (raise) before the weights, the slow part, are read.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch_dtype = resolve_dtype(dtype)
     if tokenizer is None:
@@ -251,13 +255,37 @@ def load_model(
     log.info("loading %s from %s (%s, %s)", name, path, dtype, device)
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
+    vision = path.is_dir() and is_vision_language(path)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
+        model: Any = auto.from_pretrained(directory, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a causal LM from {path}: {exc}") from exc
+        what = "an image-text-to-text model" if vision else "a causal LM"
+        raise ConfigError(f"cannot load {what} from {path}: {exc}") from exc
     model = model.to(torch.device(device)).eval()
     sampling = dict(DEFAULT_MODEL_SAMPLING) if spec is None else generation_defaults(model)
-    return LoadedModel(model, tokenizer, name, str(path), sampling)
+    processor = load_image_processor(path) if vision else None
+    return LoadedModel(model, tokenizer, name, str(path), sampling, processor)
+
+
+def is_vision_language(path: Path) -> bool:
+    """Whether a model directory holds an image-text-to-text model (a vision part in its config)."""
+    return isinstance(_read_json(path / "config.json").get("vision_config"), dict)
+
+
+def load_image_processor(path: Path) -> Any:
+    """The image processor saved with a model (PIL backend), or ``None`` if it has none."""
+    if not any((path / name).exists() for name in _PROCESSOR_FILES):
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)  # type: ignore[no-untyped-call]
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot load the image processor saved in {path}: {exc}") from exc
+
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def _from_pretrained_args(path: Path) -> tuple[str, dict[str, Any]]:

@@ -11,7 +11,7 @@ blocks, how many of its tokens the manager knows and how many have K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
@@ -158,6 +158,8 @@ class Sequence:
     unready: list[int] = field(default_factory=list)
     #: Admission order: the newest running sequence is preempted first.
     order: int = 0
+    #: Its images (a :class:`~kvtier.mm.prompt.MultimodalPrompt`), shared by its choices.
+    mm: Any = None
 
     @property
     def tokens(self) -> list[int]:

@@ -123,7 +123,7 @@ class EngineWorker:
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._cv = threading.Condition()
-        self._inbox: list[tuple[list[int], SamplingParams, RequestHandle, float]] = []
+        self._inbox: list[tuple[list[int], SamplingParams, RequestHandle, float, Any]] = []
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
         self._calls: list[Callable[[Engine], None]] = []
@@ -167,10 +167,18 @@ class EngineWorker:
         params: SamplingParams,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        mm: Any = None,
     ) -> RequestHandle:
-        """Queue a request. Bad input raises :class:`BadRequestError` here, in the caller."""
+        """Queue a request. Bad input raises :class:`BadRequestError` here, in the caller.
+
+        ``mm`` is the prompt's images (:meth:`Engine.encode_multimodal_chat`).
+        """
         ids = list(prompt_ids)
         self.engine.check_request(ids, params)  # reads configuration only: thread-safe
+        if mm is not None:
+            from kvtier.mm.engine import check_multimodal
+
+            check_multimodal(self.engine, ids, mm)
         with self._cv:
             if self._stop or self.fatal is not None:
                 raise KvTierError("the engine worker is stopped")
@@ -179,7 +187,7 @@ class EngineWorker:
             if loop is not None:
                 handle.bind_loop(loop)
             self._handles[handle.request_id] = handle
-            self._inbox.append((ids, params, handle, time.perf_counter()))
+            self._inbox.append((ids, params, handle, time.perf_counter(), mm))
             self._cv.notify()
         return handle
 
@@ -296,9 +304,11 @@ class EngineWorker:
                 calls, self._calls = self._calls, []
             for task in calls:
                 task(engine)
-            for ids, params, handle, arrival in inbox:
+            for ids, params, handle, arrival, mm in inbox:
                 try:
-                    engine.add_request(ids, params, handle.request_id, arrival_time=arrival)
+                    engine.add_request(
+                        ids, params, handle.request_id, arrival_time=arrival, mm=mm
+                    )
                 except KvTierError as exc:
                     self._fail(handle, str(exc))
                 except Exception as exc:  # a bug, but this request's alone
@@ -349,7 +359,7 @@ class EngineWorker:
             handles = list(self._handles.values())
         for task in calls:
             task(self.engine)
-        for _, _, handle, _ in inbox:
+        for _, _, handle, _, _ in inbox:
             self._fail(handle, message)
         for handle in handles:
             self._fail(handle, message)

@@ -33,7 +33,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,8 +41,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtier.engine.engine import Engine
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
+from kvtier.mm.images import ImageLimits, check_count, load_image
 from kvtier.obs.metrics import render_prometheus
 from kvtier.server.limits import BodyGuard, ServerLimits
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -158,14 +162,21 @@ def _new_id(prefix: str) -> str:
 
 
 def create_app(
-    worker: EngineWorker, *, served_model_name: str, limits: ServerLimits | None = None
+    worker: EngineWorker,
+    *,
+    served_model_name: str,
+    limits: ServerLimits | None = None,
+    image_limits: ImageLimits | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``worker``'s engine as ``served_model_name``.
 
     The caller owns the worker: start it before serving and stop it after.
+    ``image_limits`` bound the images a chat request may send to a
+    vision-language model.
     """
     engine = worker.engine
     limits = limits or ServerLimits()
+    images = image_limits or ImageLimits()
     created = int(time.time())
     tokens = TokenText(engine.tokenizer)
     max_chars = limits.max_prompt_chars or engine.max_model_len * tokens.longest_token_chars()
@@ -259,10 +270,12 @@ def create_app(
                 headers={"Retry-After": retry_after()},
             )
 
-    async def submit(ids: list[int], params: SamplingParams, *, prompt_param: str) -> RequestHandle:
+    async def submit(
+        ids: list[int], params: SamplingParams, *, prompt_param: str, mm: Any = None
+    ) -> RequestHandle:
         admit()
         try:
-            return worker.submit(ids, params, loop=asyncio.get_running_loop())
+            return worker.submit(ids, params, loop=asyncio.get_running_loop(), mm=mm)
         except BadRequestError as exc:
             param = exc.param
             if param in ("messages", "prompt"):
@@ -365,18 +378,27 @@ def create_app(
                 f"{len(body.messages)} (the server's --max-messages)",
                 param="messages",
             )
-        messages = body.to_messages()
-        check_chars(sum(len(m["content"]) for m in messages), "messages")
+        mm: Any = None
+        if body.has_images() and engine.vlm is not None:
+            messages, urls = body.to_multimodal_messages()
+            check_count(len(urls), images)
+            check_chars(sum(len(t) for t in _texts(messages)), "messages")
+        else:
+            messages, urls = body.to_messages(), []
+            check_chars(sum(len(m["content"]) for m in messages), "messages")
         requested = body.requested_max_tokens()
         # Parameters are checked before the prompt is tokenized: a bad one costs nothing.
         params = body.sampling_params(requested or 1, engine.sampling_defaults)
         admit()
-        ids = await asyncio.to_thread(engine.encode_chat, messages)
+        if urls:
+            ids, mm = await asyncio.to_thread(_encode_with_images, engine, messages, urls, images)
+        else:
+            ids = await asyncio.to_thread(engine.encode_chat, messages)
         if requested is None:
             params = dataclasses.replace(
                 params, max_tokens=max(engine.max_model_len - len(ids), 1)
             )
-        handle = await submit(ids, params, prompt_param="messages")
+        handle = await submit(ids, params, prompt_param="messages", mm=mm)
 
         def choice(text: str, lps: list[Any]) -> dict[str, Any]:
             return {
@@ -483,6 +505,7 @@ def create_app(
             },
             "tiers": snap.tiers,
             "pressure": None if snap.pressure is None else snap.pressure.as_dict(),
+            "encoder_cache": snap.encoder_cache,
             "layout": {
                 "num_layers": layout.num_layers,
                 "num_kv_heads": layout.num_kv_heads,
@@ -504,6 +527,29 @@ def create_app(
 
     register_admin(app, worker)
     return app
+
+
+def _texts(messages: list[dict[str, Any]]) -> list[str]:
+    """Every text of chat messages, string content and text parts alike."""
+    out: list[str] = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            out.append(content)
+        else:
+            out.extend(p["text"] for p in content if p.get("type") == "text")
+    return out
+
+
+def _encode_with_images(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    urls: list[tuple[str, str]],
+    limits: ImageLimits,
+) -> tuple[list[int], Any]:
+    """Load the request's images (refusing bad ones with a 400) and tokenize around them."""
+    items = [load_image(url, limits, param=param) for url, param in urls]
+    return engine.encode_multimodal_chat(messages, items)
 
 
 def _version() -> str:

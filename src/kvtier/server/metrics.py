@@ -46,6 +46,8 @@ class EngineSnapshot:
     tiers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     #: The pressure controller's state (``None`` without pressure handling).
     pressure: PressureStats | None = None
+    #: The encoder-output cache's state (``None`` for a text model or with it off).
+    encoder_cache: dict[str, Any] | None = None
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -69,6 +71,9 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         forked_sequences=c.forked_sequences,
         tiers={} if engine.tier_chain is None else engine.tier_chain.stats(),
         pressure=None if engine.pressure is None else engine.pressure.stats(),
+        encoder_cache=(
+            None if engine.encoder_cache is None else engine.encoder_cache.stats().as_dict()
+        ),
     )
 
 
@@ -178,7 +183,49 @@ def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
         ).add(snap.forked_sequences),
         *tier_families(snap.tiers),
         *pressure_families(snap.pressure, snap.stats.pressure_evictions),
+        *encoder_cache_families(snap.encoder_cache),
     ]
+
+
+#: Per-modality encoder-cache counters: (stats key, metric suffix, help).
+_ENCODER_LOOKUPS = (
+    ("hits", "hits", "Encoder outputs found in memory"),
+    ("tier_hits", "tier_hits", "Encoder outputs found on a lower tier"),
+    ("coalesced", "coalesced", "Lookups that waited for another request's encode of the item"),
+    ("misses", "misses", "Items the encoder ran for"),
+)
+
+
+def encoder_cache_families(e: dict[str, Any] | None) -> list[MetricFamily]:
+    """The encoder-output cache's gauges and counters (per modality); none when it is off."""
+    if e is None:
+        return []
+    families = []
+    for key, suffix, what in _ENCODER_LOOKUPS:
+        fam = MetricFamily(f"kvtier_encoder_cache_{suffix}_total", "counter", what + ".")
+        for modality, counts in sorted(e["by_modality"].items()):
+            fam.add(counts[key], modality=modality)
+        families.append(fam)
+    plain = (
+        ("bytes_held", "bytes", "gauge", "Bytes of encoder outputs held in memory."),
+        ("capacity_bytes", "capacity_bytes", "gauge", "The encoder cache's byte budget."),
+        ("entries", "entries", "gauge", "Encoder outputs held in memory."),
+        ("pinned_entries", "pinned_entries", "gauge", "Encoder outputs in use by requests."),
+        ("evictions", "evictions_total", "counter", "Encoder outputs evicted from memory."),
+        ("oversize", "oversize_total", "counter", "Outputs larger than the whole budget."),
+        ("not_cached", "not_cached_total", "counter", "Outputs returned but not cached."),
+        ("encoder_failures", "failures_total", "counter", "Encoder runs that raised."),
+        ("encode_seconds", "encode_seconds_total", "counter", "Seconds spent encoding."),
+        (
+            "encode_seconds_saved",
+            "encode_seconds_saved_total",
+            "counter",
+            "Encoding seconds memory hits did not spend.",
+        ),
+    )
+    for key, suffix, kind, what in plain:
+        families.append(MetricFamily(f"kvtier_encoder_cache_{suffix}", kind, what).add(e[key]))
+    return families
 
 
 def pressure_families(p: PressureStats | None, evictions: int) -> list[MetricFamily]:

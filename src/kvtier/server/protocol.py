@@ -8,7 +8,8 @@ number has OpenAI's range, and text must be valid Unicode (a lone surrogate
 is refused, since it cannot be encoded). Fields kvtier does not know are
 ignored, as OpenAI's newer fields would be; fields it knows but cannot
 honour (tools, ``response_format`` other than text, ``echo``, ``suffix``,
-``best_of`` > 1, audio, non-text content parts) are refused by name with
+``best_of`` > 1, audio, content parts other than text and ``image_url``;
+``image_url`` parts for a model that takes no images) are refused by name with
 :class:`~kvtier.errors.BadRequestError`, which the server reports as HTTP
 400 — never silently ignored.
 """
@@ -51,11 +52,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+class ImageURL(_Body):
+    """An ``image_url`` part's target: a data URL (or ``file://`` where the server allows)."""
+
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(_Body):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content: ``{"type": "text", "text": ...}`` or an ``image_url``."""
 
     type: Text
     text: Text | None = None
+    image_url: ImageURL | None = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -73,6 +82,51 @@ class ChatMessage(_Body):
     def text(self, index: int) -> str:
         """The content as one string; raises for what kvtier cannot serve."""
         where = f"messages[{index}]"
+        content = self._checked(where)
+        if isinstance(content, str):
+            return content
+        pieces: list[str] = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise BadRequestError(
+                    "only text content parts are supported by this model (it takes no images), "
+                    f"got a part of type {part.type!r}",
+                    param=f"{where}.content[{j}]",
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+    def parts(self, index: int, urls: list[tuple[str, str]]) -> str | list[dict[str, Any]]:
+        """The content with each image as ``{"type": "image"}``; its URL appended to ``urls``.
+
+        ``urls`` collects ``(url, param)`` in prompt order, for the server to load.
+        """
+        where = f"messages[{index}]"
+        content = self._checked(where)
+        if isinstance(content, str):
+            return content
+        out: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            param = f"{where}.content[{j}]"
+            if part.type == "text" and part.text is not None:
+                out.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and part.image_url is not None:
+                urls.append((part.image_url.url, f"{param}.image_url.url"))
+                out.append({"type": "image"})
+            else:
+                raise BadRequestError(
+                    "content parts must be text or image_url (with its url), got a part of type "
+                    f"{part.type!r}",
+                    param=param,
+                )
+        return out
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            p.type == "image_url" for p in self.content
+        )
+
+    def _checked(self, where: str) -> str | list[ContentPart]:
         if self.role in ("tool", "function"):
             raise BadRequestError(
                 f"{self.role} messages are not supported: kvtier serve does no tool calling",
@@ -88,18 +142,7 @@ class ChatMessage(_Body):
             raise BadRequestError(
                 f"{where}.content is required for a {self.role} message", param=f"{where}.content"
             )
-        if isinstance(content, str):
-            return content
-        pieces: list[str] = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise BadRequestError(
-                    f"only text content parts are supported by this model, got a part of type "
-                    f"{part.type!r}",
-                    param=f"{where}.content[{j}]",
-                )
-            pieces.append(part.text)
-        return "".join(pieces)
+        return content
 
 
 class StreamOptions(_Body):
@@ -270,6 +313,22 @@ class ChatCompletionRequest(_Sampling):
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": m.text(i)})
         return out
+
+    def has_images(self) -> bool:
+        """Whether any message holds an ``image_url`` part."""
+        return any(m.has_images() for m in self.messages)
+
+    def to_multimodal_messages(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        """Messages whose images are ``{"type": "image"}`` parts, and the images' URLs in order."""
+        self.check_supported()
+        if not self.messages:
+            raise BadRequestError("messages must be a non-empty list", param="messages")
+        urls: list[tuple[str, str]] = []
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.parts(i, urls)})
+        return out, urls
 
 
 class CompletionRequest(_Sampling):
