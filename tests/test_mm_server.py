@@ -177,3 +177,22 @@ def test_kvtier_serve_runs_a_saved_vision_language_model(tmp_path: Path) -> None
 def test_image_data_url_round_trips() -> None:
     data = png_bytes(1)
     assert base64.b64decode(image_data_url(data).split(",", 1)[1]) == data
+
+
+def test_serve_flags_become_the_encoder_cache_and_image_limits(tmp_path: Path) -> None:
+    from kvtier.cli import build_parser
+    from kvtier.cli.serve import engine_config, image_limits
+
+    parser, _ = build_parser()
+    args = parser.parse_args([
+        "serve", "--encoder-cache-size", "2MiB", "--encoder-cache-policy", "lfu",
+        "--encoder-cache-tier", f"disk:{tmp_path}?size=1MiB", "--encoder-cache-entries", "9",
+        "--max-images-per-request", "3", "--allowed-local-media-path", str(tmp_path),
+    ])
+    spec = engine_config(args).encoder_cache
+    assert (spec.size_bytes, spec.policy, spec.max_entries) == (2 * 2**20, "lfu", 9)
+    assert spec.tiers[0].medium == "disk"
+    limits = image_limits(args)
+    assert limits.max_images == 3 and limits.allowed_dir == str(tmp_path.resolve())
+    off = engine_config(parser.parse_args(["serve", "--encoder-cache-size", "0"]))
+    assert not off.encoder_cache.enabled and off.encoder_cache.build() is None

@@ -628,6 +628,11 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _size_or_off(text: str) -> int:
+    """A memory size, or 0 (off)."""
+    return 0 if text.strip() == "0" else parse_memory_size(text)
+
+
 def _add_images(serve: argparse.ArgumentParser) -> None:
     images = serve.add_argument_group(
         "images",
@@ -663,7 +668,7 @@ def _add_images(serve: argparse.ArgumentParser) -> None:
     )
     images.add_argument(
         "--encoder-cache-size",
-        type=arg(parse_memory_size, "memory size"),
+        type=arg(_size_or_off, "memory size"),
         default=256 * 2**20,
         metavar="SIZE",
         help="memory for cached encoder outputs (default 256MiB; 0: off)",
