@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from kvtier.agents.attach import AgentSupport
+from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -87,6 +89,8 @@ __all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check
 
 #: Tokens one step computes at most, by default: a few prompt chunks next to the decodes.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: What _admit returns for a request whose prefix a prefetch is still loading.
+_DEFERRED = -1
 
 
 class Engine:
@@ -200,6 +204,8 @@ class Engine:
         self._unready: collections.Counter[int] = collections.Counter()
         self._ids = itertools.count()
         self._order = itertools.count()
+        #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
+        self.agents = AgentSupport(self)
         #: Forward passes run, and tokens they computed (for the batch-size metrics).
         self.steps = 0
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
@@ -390,10 +396,16 @@ class Engine:
         request_id: str | None = None,
         *,
         arrival_time: float | None = None,
+        hints: Hints | dict[str, object] | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input."""
+        """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input.
+
+        ``hints`` are the agent hints of :mod:`kvtier.agents.hints` (a mapping
+        or :class:`~kvtier.agents.Hints`); unknown or malformed ones are refused.
+        """
         params = params or SamplingParams()
         ids = list(prompt_ids)
+        checked = parse_hints(hints, where="hints")
         self.check_request(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
@@ -408,6 +420,7 @@ class Engine:
             RequestMetrics(now, len(ids)),
             seq_id=rid,
             forked=params.n == 1,
+            hints=checked,
         )
         self._waiting.append(seq)
         self._by_id[rid] = [seq]
@@ -451,6 +464,7 @@ class Engine:
         """Stop pressure sampling, finish background tier writes, close the tiers' media."""
         if self.pressure is not None:
             self.pressure.close()
+        self.agents.close()
         if self.tiers is not None:
             self.tiers.close()
         if self.events is not None:
@@ -470,6 +484,7 @@ class Engine:
         outs: list[RequestOutput] = []
         if self.tiers is not None:
             self.tiers.poll()
+            self.agents.poll()
         for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
             self._finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
@@ -479,6 +494,8 @@ class Engine:
         elif any(s.load is not None for s in self._running):
             # Nothing can compute until a load is in: wait for one instead of spinning.
             self._finish_loads(outs, wait=True)
+        elif self._waiting:
+            self.agents.wait()  # the waiting requests need blocks a prefetch is loading
         if self.events is not None:
             self._publish_events()
         return outs
@@ -529,6 +546,7 @@ class Engine:
             batch.append((seq, n))
             if n > 1 or seq.num_tokens - seq.computed > 1:
                 budget -= n
+        deferred: list[Seq] = []
         while self._waiting and budget > 0:
             seq = self._waiting[0]
             group = 1 if seq.forked else seq.params.n
@@ -537,9 +555,14 @@ class Engine:
             got = self._admit(seq, budget, outs)
             if got is None:
                 break  # it waits (for blocks, a prefix being computed, memory pressure)
+            if got == _DEFERRED:
+                # Its blocks are still being prefetched: requests that are ready go first.
+                deferred.append(self._waiting.popleft())
+                continue
             if got > 0:
                 batch.append((seq, got))
                 budget -= got
+        self._waiting.extendleft(reversed(deferred))
         return batch
 
     def _grow(
@@ -593,6 +616,8 @@ class Engine:
         limit = (n - 1) // bs  # the last token is always computed: its logits are needed
         device_hit = len(self.manager.pool.lookup(keys[:limit])) if self.prefix_caching else 0
         if any(k in self._unready for k in keys[:device_hit]):
+            if self.agents.deferred(keys[:device_hit]):
+                return _DEFERRED
             return None  # another request is computing (or loading) this prefix: wait for it
         tier_hit = 0
         if self.tiers is not None and self.prefix_caching and device_hit < limit:
@@ -609,6 +634,7 @@ class Engine:
                 extra_keys=extra,
                 block_keys=keys[: upto // bs],
                 request_keys=keys,
+                hints=None if seq.hints is None or seq.admissions else seq.hints.as_dict(),
             )
         except OutOfBlocksError as exc:
             if self._running:
@@ -929,6 +955,8 @@ class Engine:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
+        if seq.table is not None and reason in ("stop", "length"):
+            self.agents.finished(seq)
         if seq.table is not None:
             if reason == "error":
                 if seq.load is not None:

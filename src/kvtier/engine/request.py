@@ -18,6 +18,7 @@ from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.obs.metrics import Histogram
 
 if TYPE_CHECKING:
+    from kvtier.agents.hints import Hints
     from kvtier.block_table import BlockTable
     from kvtier.offload.chain import PendingLoad, SwappedRequest
 
@@ -158,6 +159,8 @@ class Sequence:
     unready: list[int] = field(default_factory=list)
     #: Admission order: the newest running sequence is preempted first.
     order: int = 0
+    #: What the application said about the request (agent hints), if anything.
+    hints: Hints | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -23,9 +23,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvTierError
@@ -123,7 +124,9 @@ class EngineWorker:
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._cv = threading.Condition()
-        self._inbox: list[tuple[list[int], SamplingParams, RequestHandle, float]] = []
+        self._inbox: list[
+            tuple[list[int], SamplingParams, RequestHandle, float, Hints | None]
+        ] = []
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
         self._calls: list[Callable[[Engine], None]] = []
@@ -167,9 +170,11 @@ class EngineWorker:
         params: SamplingParams,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        hints: Hints | Mapping[str, object] | None = None,
     ) -> RequestHandle:
         """Queue a request. Bad input raises :class:`BadRequestError` here, in the caller."""
         ids = list(prompt_ids)
+        checked = parse_hints(hints, where="kvtier")
         self.engine.check_request(ids, params)  # reads configuration only: thread-safe
         with self._cv:
             if self._stop or self.fatal is not None:
@@ -179,7 +184,7 @@ class EngineWorker:
             if loop is not None:
                 handle.bind_loop(loop)
             self._handles[handle.request_id] = handle
-            self._inbox.append((ids, params, handle, time.perf_counter()))
+            self._inbox.append((ids, params, handle, time.perf_counter(), checked))
             self._cv.notify()
         return handle
 
@@ -296,9 +301,11 @@ class EngineWorker:
                 calls, self._calls = self._calls, []
             for task in calls:
                 task(engine)
-            for ids, params, handle, arrival in inbox:
+            for ids, params, handle, arrival, hints in inbox:
                 try:
-                    engine.add_request(ids, params, handle.request_id, arrival_time=arrival)
+                    engine.add_request(
+                        ids, params, handle.request_id, arrival_time=arrival, hints=hints
+                    )
                 except KvTierError as exc:
                     self._fail(handle, str(exc))
                 except Exception as exc:  # a bug, but this request's alone
@@ -349,7 +356,7 @@ class EngineWorker:
             handles = list(self._handles.values())
         for task in calls:
             task(self.engine)
-        for _, _, handle, _ in inbox:
+        for _, _, handle, _, _ in inbox:
             self._fail(handle, message)
         for handle in handles:
             self._fail(handle, message)
