@@ -9,9 +9,9 @@ fallback policy (LRU by default, any registered policy by name):
   agents' registered prompt prefixes); its distance is the smallest
   steps-to-execution among them (:mod:`kvtier.agents.graph`), infinitely far
   for blocks of no known agent;
-* victims come from the farthest class first; at equal distance a dynamic
-  suffix (used by one agent or session) goes before a shared prefix (an
-  agent's registered prefix, or a block two agents or sessions used);
+* dynamic suffixes (blocks one agent or session used) go before shared
+  prefixes (an agent's registered prefix, or a block two agents or sessions
+  used), and within each, the blocks of the agent due farthest go first;
   ``reuse="never"`` blocks go first of all and ``reuse="likely"`` ones just
   after the unknown ones;
 * ``cache_ttl_s`` pins a request's blocks until the TTL runs out (counted from
@@ -56,14 +56,18 @@ DEFAULT = 1
 #: ``reuse="never"``: evicted before anything else.
 NEVER = 0
 #: TTL-pinned keys: evicted last.
-PINNED = 2 * FAR + 10
+PINNED = 3 * FAR + 10
 #: Owners one key remembers at most (a block shared more widely is shared anyway).
 _MAX_OWNERS = 8
 
 
 def keep_rank(distance: int, shared: bool) -> int:
-    """The class of a block ``distance`` steps from use; lower classes are evicted first."""
-    return 1 + 2 * (FAR - min(max(distance, 0), FAR)) + int(shared)
+    """The class of a block ``distance`` steps from use; lower classes are evicted first.
+
+    Every dynamic suffix ranks below every shared prefix; within each, the
+    farther the block's agent, the lower.
+    """
+    return 1 + (FAR - min(max(distance, 0), FAR)) + (FAR + 1) * int(shared)
 
 
 @dataclass(slots=True)
@@ -133,6 +137,9 @@ class WorkflowPolicy(PolicyBase):
         self._expiry: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
         self._protected: dict[int, tuple[float, int]] = {}
+        #: (expiry, key) of protected keys, soonest first; entries whose expiry
+        #: no longer matches the key's protection are stale and skipped.
+        self._pheap: list[tuple[float, int]] = []
         self._protected_used = 0
         self._now = 0.0
         self.guard: LRUGuard | None = None
@@ -370,20 +377,31 @@ class WorkflowPolicy(PolicyBase):
             return
         protected = self._protected
         size = self._size(key)
+        pheap = self._pheap
         if key in protected:
             protected[key] = (until, size)
+            heapq.heappush(pheap, (until, key))
             return
         cap = self.pin_cap
         if size > cap:
             return
         while self._protected_used + size > cap:
             # The pin that ends soonest yields (it has had most of its time).
-            victim = min(protected, key=protected.__getitem__)
-            if protected[victim][0] > until:
+            first, victim = pheap[0]
+            entry = protected.get(victim)
+            if entry is None or entry[0] != first:
+                heapq.heappop(pheap)  # stale
+                continue
+            if first > until:
                 return  # every current pin outlasts this one: it does not get in
+            heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
+        heapq.heappush(pheap, (until, key))
         self._protected_used += size
+        if len(pheap) > 4 * len(protected) + 64:
+            self._pheap = [(u, k) for k, (u, _) in protected.items()]
+            heapq.heapify(self._pheap)
         self._move(key)
 
     def _unprotect(self, key: int) -> None:
