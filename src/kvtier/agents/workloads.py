@@ -177,17 +177,17 @@ def synthetic_workflows(
         run, i = divmod(pos, len(flat))
         if run >= runs:
             continue
-        a = flat[i]
+        agent = flat[i]
         dyn = rng.randint(*dynamic_tokens)
-        n = lengths[a] + dyn
+        n = lengths[agent] + dyn
         lines.append(
             _request(
                 1000.0 * t,
-                prefixes[a] + ids.take(_blocks(n) - len(prefixes[a])),
+                prefixes[agent] + ids.take(_blocks(n) - len(prefixes[agent])),
                 n,
                 dyn,
                 workflow_id=wid,
-                agent_id=a,
+                agent_id=agent,
                 step=steps[w],
             )
         )
