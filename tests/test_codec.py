@@ -18,7 +18,7 @@ from kvtier.offload.codec import (
     make_header,
     verify,
 )
-from kvtier.offload.media import BlockFormat, pack_blob, split_blob
+from kvtier.offload.media import ItemFormat, pack_blob, split_blob
 
 SHAPE = (3, 2, 4, 2, 8)  # layers, K/V, block_size, heads, head_dim
 KEY = (0x1234_5678_9ABC_DEF0 << 64) | 0x0FED_CBA9_8765_4321
@@ -75,8 +75,8 @@ def test_header_fields_round_trip() -> None:
     assert h.payload_len == payload.numel() and h.codec_id == RawCodec.codec_id
 
 
-def blob_for(codec_name: str = "raw") -> tuple[BlockFormat, bytes]:
-    fmt = BlockFormat(make_codec(codec_name), SHAPE, torch.float32, "ns")
+def blob_for(codec_name: str = "raw") -> tuple[ItemFormat, bytes]:
+    fmt = ItemFormat(make_codec(codec_name), SHAPE, torch.float32)
     return fmt, pack_blob(fmt, KEY, fmt.codec.encode(block()))
 
 

@@ -56,7 +56,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 def engine(url: str, *, cluster: bool = False, **kw: Any) -> Engine:
     model, tok = tiny_model_and_tokenizer()
-    tier = TierSpec("redis", 32 * 2**20, url=url, cluster=cluster)
+    tier = TierSpec("redis+cluster" if cluster else "redis", 32 * 2**20, location=url)
     kw.setdefault("num_blocks", 128)
     return Engine(model, tok, model_id="tiny-chat", block_size=4, tiers=[tier], **kw)
 
@@ -222,7 +222,7 @@ def test_a_refused_move_leaves_the_request_streaming_from_its_server(
 ) -> None:
     model, tok = tiny_model_and_tokenizer()
     other = Engine(model, tok, model_id="another", block_size=4, num_blocks=64,
-                   tiers=[TierSpec("redis", 2**22, url=redis_server.url)])  # fmt: skip
+                   tiers=[TierSpec("redis", 2**22, location=redis_server.url)])  # fmt: skip
     with serving(engine(redis_server.url)) as a, serving(other) as b:
         ref = a.client().completions.create(
             model=MODEL, prompt=TEXT, max_tokens=200, temperature=0

@@ -16,7 +16,7 @@ from redis_servers import RedisClusterServers, RedisServer, command, free_port
 
 from kvtier.errors import ConfigError, CorruptBlockError, TierUnavailableError
 from kvtier.offload.codec import RawCodec, make_codec, verify
-from kvtier.offload.media import BlockFormat, Stored
+from kvtier.offload.media import ItemFormat, Stored
 from kvtier.offload.redis_store import RedisStore
 
 need_redis_server()
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable
 
 SHAPE = (2, 2, 4, 2, 8)
 DTYPE = torch.float32
-FMT = BlockFormat(make_codec("raw"), SHAPE, DTYPE, namespace="t1")
+FMT = ItemFormat(make_codec("raw"), SHAPE, DTYPE)
 CODEC = RawCodec()
 
 
@@ -49,7 +49,7 @@ def blocks(ks: list[int], seed: int = 0) -> dict[int, torch.Tensor]:
 
 
 def put_blocks(store: RedisStore, data: dict[int, torch.Tensor]) -> None:
-    store.put([(k, i, CODEC.encode(t)) for i, (k, t) in enumerate(data.items())])
+    store.put([(k, i, CODEC.encode(t), FMT) for i, (k, t) in enumerate(data.items())])
 
 
 def check_block(stored: Stored | None, key: int, expected: torch.Tensor) -> None:
@@ -59,9 +59,9 @@ def check_block(stored: Stored | None, key: int, expected: torch.Tensor) -> None
     assert torch.equal(codec.decode(payload, SHAPE, DTYPE), expected)
 
 
-def make_store(url: str, fmt: BlockFormat = FMT, **kwargs: object) -> RedisStore:
+def make_store(url: str, namespace: str = "t1", **kwargs: object) -> RedisStore:
     store = RedisStore(url, **kwargs)  # type: ignore[arg-type]
-    store.bind(fmt, 1024)
+    store.bind(namespace, 1024, FMT.payload_size)
     return store
 
 
@@ -176,8 +176,7 @@ def test_ttl_sets_an_expiry(server: RedisServer, raw: redis.Redis, store: RedisS
 
 
 def test_namespaces_isolate(server: RedisServer) -> None:
-    other = BlockFormat(make_codec("raw"), SHAPE, DTYPE, namespace="t2")
-    a, b = make_store(server.url, FMT), make_store(server.url, other)
+    a, b = make_store(server.url, "t1"), make_store(server.url, "t2")
     key, only_a = keys(2, seed=10)
     da, db = blocks([key, only_a], seed=1), blocks([key], seed=2)
     put_blocks(a, da)
@@ -226,7 +225,7 @@ def test_corrupt_values_fail_verify(store: RedisStore, raw: redis.Redis) -> None
 def test_client_argument_is_used_and_closed(server: RedisServer) -> None:
     client = redis.Redis.from_url(server.url)
     s = RedisStore(client=client)
-    s.bind(FMT, 1)
+    s.bind("t1", 1)
     key = keys(1, seed=12)[0]
     data = blocks([key])
     put_blocks(s, data)

@@ -479,7 +479,7 @@ def test_two_servers_on_one_redis_share_a_prompt_at_once() -> None:
     content = "a long shared question " * 12
     with RedisServer() as redis:
         # Default write mode: Redis is shared, so it writes through.
-        tier = TierSpec("redis", 64 * 2**20, url=redis.url)
+        tier = TierSpec("redis", 64 * 2**20, location=redis.url)
         a = tiny_engine(num_blocks=128, block_size=8, tiers=[tier])
         b = tiny_engine(num_blocks=128, block_size=8, tiers=[tier])
         assert a.tiers is not None and a.tiers.write_mode == "write_through"

@@ -207,7 +207,7 @@ def test_pressure_flaps_are_summarised(caplog: pytest.LogCaptureFixture) -> None
 def test_unreachable_redis_is_a_warning_at_startup() -> None:
     from redis_servers import free_port
 
-    spec = TierSpec("redis", 2**20, url=f"redis://127.0.0.1:{free_port()}/0")
+    spec = TierSpec("redis", 2**20, location=f"redis://127.0.0.1:{free_port()}/0")
     warning = spec.probe(timeout_s=0.5)
     assert warning is not None and "cannot reach Redis" in warning
     assert "Serving without the Redis tier until it answers" in warning
@@ -219,5 +219,5 @@ def test_an_unusable_disk_directory_is_an_error_at_startup(tmp_path: Path) -> No
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="cannot be used"):
-        TierSpec("disk", 2**20, path=str(blocker / "sub")).probe()
-    assert TierSpec("disk", 2**20, path=str(tmp_path / "ok")).probe() is None
+        TierSpec("disk", 2**20, location=str(blocker / "sub")).probe()
+    assert TierSpec("disk", 2**20, location=str(tmp_path / "ok")).probe() is None

@@ -3,8 +3,12 @@
 * :mod:`~kvtier.offload.manager`: the two-phase offloading manager (one per
   tier, vLLM's protocol), driven by any kvtier policy;
 * :mod:`~kvtier.offload.codec`: raw / int8 / fp8 codecs, headers and checksums;
-* :mod:`~kvtier.offload.host`, :mod:`~kvtier.offload.disk`,
-  :mod:`~kvtier.offload.redis_store`: the storage media;
+* :mod:`~kvtier.offload.media`: the medium protocol (items of any shape,
+  declared capabilities); :mod:`~kvtier.offload.registry`: media by name
+  (``register_medium``); :mod:`~kvtier.offload.host`,
+  :mod:`~kvtier.offload.disk`, :mod:`~kvtier.offload.redis_store`,
+  :mod:`~kvtier.offload.device_tier` (compressed blocks in device memory, a
+  tier above host memory): the built-in media;
 * :mod:`~kvtier.offload.transfer`: background, batched transfers;
 * :mod:`~kvtier.offload.chain`: the tier chain that promotes blocks on a hit
   and demotes them on eviction, and swaps whole requests out and in.
@@ -30,10 +34,17 @@ _LAZY = {
     "SwappedRequest": "kvtier.offload.chain",
     "TierSpec": "kvtier.offload.config",
     "HostStore": "kvtier.offload.host",
+    "DeviceStore": "kvtier.offload.device_tier",
+    "CompressionResult": "kvtier.offload.chain",
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",
     "make_codec": "kvtier.offload.codec",
+    "ItemFormat": "kvtier.offload.media",
+    "MediumCaps": "kvtier.offload.media",
+    "register_medium": "kvtier.offload.registry",
+    "make_medium": "kvtier.offload.registry",
+    "available_media": "kvtier.offload.registry",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier.offload", globals(), _LAZY)

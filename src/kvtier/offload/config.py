@@ -1,145 +1,161 @@
 """Tier configuration by size: what ``kvtier serve`` flags and engine users write.
 
-A :class:`TierSpec` names a medium, how many bytes it may use, its codec
-and policy; :meth:`TierSpec.build` turns it into a :class:`~kvtier.offload.chain.Tier`
+A :class:`TierSpec` names a registered medium (:mod:`kvtier.offload.registry`),
+where it is, how many bytes it may use, its codec, policy and write mode;
+:meth:`TierSpec.build` turns it into a :class:`~kvtier.offload.chain.Tier`
 once the block geometry is known (the engine knows it after loading the
-model), sizing the tier in blocks of that codec's stored size.
+model), sizing the tier in blocks of that codec's stored size. Tiers are
+usually written as URLs (:meth:`TierSpec.from_url`):
+
+* ``device:1GiB`` - compressed (int8 or fp8) blocks in the device's own memory,
+  a tier above host memory (its codec defaults to int8);
+* ``host:4GiB`` - host memory;
+* ``disk:/var/cache/kvtier?size=100GiB&codec=int8`` - a directory;
+* ``redis://10.0.0.5:6379/0`` (``rediss://``, ``unix://``) - a Redis server;
+* ``redis+cluster://10.0.0.5:7000,10.0.0.6:7001`` - a Redis Cluster;
+* ``NAME:LOCATION?...`` - any other registered medium; ``module=pkg.mod``
+  imports an out-of-tree medium's module first.
+
+Settings after ``?``: ``size`` (bytes with a unit; required for host and
+device, 16GiB otherwise), ``codec`` (raw, int8, fp8), ``policy`` (any registered policy),
+``write`` (``back`` or ``through``) and ``module``; anything else is the
+medium's own option (``fsync`` for disk, ``ttl``, ``prefix`` and
+``delete_on_evict`` for Redis).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from urllib.parse import parse_qsl
 
 import torch
 
-from kvtier.errors import ConfigError, TierUnavailableError
+from kvtier.errors import ConfigError
 from kvtier.offload.chain import Tier
 from kvtier.offload.codec import HEADER_SIZE, make_codec
-from kvtier.offload.media import BlockStore
+from kvtier.offload.registry import (
+    import_medium_module,
+    make_medium,
+    medium_for_scheme,
+    probe_medium,
+)
+from kvtier.units import parse_memory_size
 
-MEDIA = ("host", "disk", "redis")
+_TIER_SETTINGS = frozenset({"size", "codec", "policy", "write", "module"})
+_DEFAULT_SIZE = 16 * 2**30
+#: Media sized by the memory they take rather than a place: ``NAME:SIZE``.
+_SIZED = ("host", "device")
+#: Codecs a device tier may use: it exists to hold blocks smaller than the pool does.
+DEVICE_CODECS = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
 class TierSpec:
     """One tier by size (see the module docstring)."""
 
+    #: A registered medium: ``host``, ``disk``, ``redis``, ``redis+cluster``, ...
     medium: str
     size_bytes: int
     codec: str = "raw"
     policy: str = "lru"
-    #: Directory of the disk tier.
-    path: str | None = None
-    #: URL of the Redis tier (any node's URL for a cluster).
-    url: str | None = None
-    cluster: bool = False
-    #: ``"write_back"``, ``"write_through"``, or ``None``: through for Redis, back otherwise.
+    #: Where the medium is: a directory, a Redis URL, or nothing (host memory).
+    location: str = ""
+    #: The medium's own options, ``(name, value)`` pairs.
+    options: tuple[tuple[str, str], ...] = ()
+    #: ``"write_back"``, ``"write_through"``, or ``None``: through for shared media.
     write_mode: str | None = None
 
     def __post_init__(self) -> None:
-        if self.medium not in MEDIA:
-            raise ConfigError(f"tier medium must be one of {', '.join(MEDIA)}, got {self.medium!r}")
+        # Built once and closed: an unknown medium, a missing directory or an
+        # unknown option is an error here, not when the engine starts.
+        make_medium(self.medium, self.location, dict(self.options)).close()
         if not isinstance(self.size_bytes, int) or self.size_bytes <= 0:
             raise ConfigError(f"the {self.medium} tier's size must be positive bytes")
         make_codec(self.codec)  # validates the name
         from kvtier.policy import make_policy
 
         make_policy(self.policy)  # a registered name or an import path
-        if self.medium == "disk" and not self.path:
-            raise ConfigError("the disk tier needs a directory (path)")
-        if self.medium == "redis" and not self.url:
-            raise ConfigError("the Redis tier needs a URL such as redis://127.0.0.1:6379/0")
+        object.__setattr__(self, "options", tuple((str(k), str(v)) for k, v in self.options))
+        if self.medium == "device" and self.codec not in DEVICE_CODECS:
+            raise ConfigError(
+                f"the device tier holds compressed blocks: give it codec "
+                f"{' or '.join(DEVICE_CODECS)}, not {self.codec!r}"
+            )
 
     @classmethod
     def from_url(cls, url: str, *, policy: str = "lru") -> TierSpec:
-        """A tier written as a URL, as ``kvtier serve --tier`` takes it.
-
-        ``host:4GiB`` (or ``host:?size=4GiB``), ``disk:/var/cache/kvtier?size=100GiB&codec=int8``,
-        ``redis://host:6379/0?size=16GiB``, ``redis+cluster://a:7000,b:7001``. Query
-        settings: ``size`` (bytes with a unit; required for host, 16GiB otherwise),
-        ``codec`` (raw, int8, fp8), ``policy`` (any registered policy), ``write``
-        (``back`` or ``through``).
-        """
-        from urllib.parse import parse_qsl
-
-        from kvtier.units import parse_memory_size
-
-        text = url.strip()
-        base, _, query = text.partition("?")
+        """A tier written as a URL (see the module docstring)."""
+        base, _, query = url.strip().partition("?")
         try:
-            settings = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
         except ValueError:
             raise ConfigError(f"tier {url!r}: cannot parse the settings after '?'") from None
-        unknown = set(settings) - {"size", "codec", "policy", "write"}
-        if unknown:
-            raise ConfigError(
-                f"tier {url!r}: unknown setting(s) {', '.join(sorted(unknown))}; "
-                "use size, codec, policy, write"
-            )
+        settings = {k: v for k, v in pairs if k in _TIER_SETTINGS}
+        options = tuple((k, v) for k, v in pairs if k not in _TIER_SETTINGS)
+        if "module" in settings:
+            import_medium_module(settings["module"])
         write = settings.get("write")
         if write is not None and write not in ("back", "through"):
             raise ConfigError(f"tier {url!r}: write must be back or through, got {write!r}")
-        codec = settings.get("codec", "raw")
-        policy = settings.get("policy", policy)
-        write_mode = None if write is None else f"write_{write}"
-        size = settings.get("size")
-        default_size = 16 * 2**30
-        if base.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
-            cluster = base.startswith("redis+cluster://")
-            target = base
-            if cluster:
+        scheme, sep, rest = base.partition("://")
+        if sep:
+            medium = medium_for_scheme(scheme)
+            location = rest
+            if medium in ("redis",):
+                location = base  # redis-py takes the whole URL
+            elif medium == "redis+cluster":
                 # Any node of the cluster finds the others.
-                target = "redis://" + base.removeprefix("redis+cluster://").split(",")[0]
-            return cls(
-                "redis",
-                parse_memory_size(size) if size else default_size,
-                codec,
-                policy,
-                url=target,
-                cluster=cluster,
-                write_mode=write_mode,
-            )
-        medium, sep, rest = base.partition(":")
-        if not sep or medium not in ("host", "disk"):
+                location = "redis://" + rest.split(",")[0]
+        else:
+            scheme, sep, rest = base.partition(":")
+            medium = medium_for_scheme(scheme) if sep else None
+            location = rest
+        if medium is None:
             raise ConfigError(
-                f"tier {url!r} names no medium: write host:SIZE, disk:DIR[?size=...], "
-                "redis://HOST:PORT/DB or redis+cluster://HOST:PORT,..."
+                f"tier {url!r} names no registered medium: write host:SIZE, "
+                "disk:DIR[?size=...], redis://HOST:PORT/DB, redis+cluster://HOST:PORT,... "
+                "or NAME:LOCATION?module=pkg.mod for an out-of-tree medium"
             )
-        if medium == "host":
-            if rest and size:
-                raise ConfigError(f"tier {url!r}: give the host tier's size once")
-            if not rest and not size:
-                raise ConfigError(f"tier {url!r}: the host tier needs a size, e.g. host:4GiB")
-            nbytes = parse_memory_size(rest or size or "")
-            return cls("host", nbytes, codec, policy, write_mode=write_mode)
-        if not rest:
+        size = settings.get("size")
+        if medium in _SIZED:
+            if location and size:
+                raise ConfigError(f"tier {url!r}: give the {medium} tier's size once")
+            if not location and not size:
+                raise ConfigError(
+                    f"tier {url!r}: the {medium} tier needs a size, e.g. {medium}:4GiB"
+                )
+            size, location = location or size, ""
+        elif medium == "disk" and not location:
             raise ConfigError(
                 f"tier {url!r}: the disk tier needs a directory, e.g. disk:/var/cache/kvtier"
             )
+        if medium == "disk":
+            location = os.path.expanduser(location)
         return cls(
-            "disk",
-            parse_memory_size(size) if size else default_size,
-            codec,
-            policy,
-            path=os.path.expanduser(rest),
-            write_mode=write_mode,
+            medium,
+            parse_memory_size(size) if size else _DEFAULT_SIZE,
+            settings.get("codec", "int8" if medium == "device" else "raw"),
+            settings.get("policy", policy),
+            location=location,
+            options=options,
+            write_mode=None if write is None else f"write_{write}",
         )
 
     def describe(self) -> str:
         """The tier as a URL (the form ``from_url`` reads)."""
-        where = {
-            "host": "host:",
-            "disk": f"disk:{self.path}",
-            "redis": f"redis+cluster://{(self.url or '').removeprefix('redis://')}"
-            if self.cluster
-            else str(self.url),
-        }[self.medium]
+        if self.medium == "redis":
+            where = self.location
+        elif self.medium == "redis+cluster":
+            where = "redis+cluster://" + self.location.removeprefix("redis://")
+        elif self.medium in _SIZED:
+            where = f"{self.medium}:"
+        else:
+            where = f"{self.medium}:{self.location}"
         parts = [f"size={self.size_bytes}", f"codec={self.codec}", f"policy={self.policy}"]
         if self.write_mode is not None:
             parts.append("write=" + self.write_mode.removeprefix("write_"))
+        parts += [f"{k}={v}" for k, v in self.options]
         return f"{where}?{'&'.join(parts)}"
 
     def probe(self, timeout_s: float = 2.0) -> str | None:
@@ -149,34 +165,7 @@ class TierSpec:
         that cannot be created or written); returns a warning for what may
         recover by itself (Redis not answering yet), ``None`` when all is well.
         """
-        if self.medium == "disk":
-
-            assert self.path is not None
-            root = Path(self.path)
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=root, prefix=".kvtier-probe-"):
-                    pass
-            except OSError as exc:
-                raise ConfigError(
-                    f"the disk tier directory {root} cannot be used ({exc}): create it, make it "
-                    f"writable by user {os.getuid()}, or pick another with --tier disk:DIR"
-                ) from None
-            return None
-        if self.medium == "redis":
-            from kvtier.offload.redis_store import RedisStore
-
-            store = RedisStore(self.url, cluster=self.cluster, socket_timeout_s=timeout_s)
-            try:
-                store.ping()
-            except TierUnavailableError as exc:
-                return (
-                    f"{exc}. Serving without the Redis tier until it answers (it is retried "
-                    "every second); start Redis or fix the URL"
-                )
-            finally:
-                store.close()
-        return None
+        return probe_medium(self.medium, self.location, dict(self.options), timeout_s)
 
     def capacity_blocks(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> int:
         blob = HEADER_SIZE + make_codec(self.codec).payload_size(block_shape, dtype)
@@ -188,20 +177,20 @@ class TierSpec:
             )
         return n
 
-    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> Tier:
-        store: BlockStore
-        if self.medium == "host":
-            from kvtier.offload.host import HostStore
+    def build(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        device: str | torch.device = "cpu",
+    ) -> Tier:
+        """The tier for blocks of ``block_shape`` and ``dtype`` (``device``: the pool's).
 
-            store = HostStore()
-        elif self.medium == "disk":
-            from kvtier.offload.disk import DiskStore
-
-            assert self.path is not None
-            store = DiskStore(self.path)
-        else:
-            from kvtier.offload.redis_store import RedisStore
-
-            store = RedisStore(self.url, cluster=self.cluster)
+        The ``device`` medium lives on the pool's device unless its location names one.
+        """
+        location = self.location
+        if self.medium == "device" and not location:
+            location = str(device)
+        store = make_medium(self.medium, location, dict(self.options))
         cap = self.capacity_blocks(block_shape, dtype)
         return Tier(store, cap, policy=self.policy, codec=self.codec, write_mode=self.write_mode)

@@ -20,11 +20,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from kvtier.errors import ConfigError, InternalInvariantError, TierUnavailableError
 from kvtier.offload.codec import as_buffer, make_header
-from kvtier.offload.media import BlockFormat, MediumCaps, Stored, split_blob
+from kvtier.offload.media import MediumCaps, PutItem, Stored, split_blob
 
 _SUFFIX = ".kvb"
 
@@ -42,12 +40,12 @@ class DiskStore:
         #: fsync each file before renaming it: survives power loss, at a large cost.
         self.fsync = fsync
         self._dir = self.root
-        self._fmt: BlockFormat | None = None
+        self._bound = False
         self._lost_logged = False
 
-    def bind(self, fmt: BlockFormat, capacity: int) -> None:
-        self._fmt = fmt
-        self._dir = self.root / fmt.namespace
+    def bind(self, namespace: str, capacity: int, item_bytes: int | None = None) -> None:
+        self._bound = True
+        self._dir = self.root / namespace
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -61,13 +59,12 @@ class DiskStore:
         name = f"{key:032x}"
         return self._dir / name[:2] / (name + _SUFFIX)
 
-    def put(self, items: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        fmt = self._fmt
-        if fmt is None:
+    def put(self, items: Sequence[PutItem]) -> None:
+        if not self._bound:
             raise InternalInvariantError("DiskStore used before bind()")
-        for key, _slot, payload in items:
+        for key, _slot, payload, fmt in items:
             cpu = payload.cpu() if payload.device.type != "cpu" else payload
-            header = make_header(fmt.codec, key, fmt.block_shape, fmt.dtype, cpu)
+            header = make_header(fmt.codec, key, fmt.shape, fmt.dtype, cpu)
             final = self.path(key)
             tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
             try:

@@ -1,11 +1,19 @@
 """The storage-medium protocol behind every offload tier, and the blob helpers they share.
 
-A medium stores encoded blocks and nothing else: which keys are cached,
-which are pinned and which to evict is the tier's
+A medium stores encoded items (KV blocks, encoder outputs: any shape and
+dtype, each put with its :class:`ItemFormat`) and nothing else: which keys
+are cached, which are pinned and which to evict is the tier's
 :class:`~kvtier.offload.OffloadingManager`'s business. The manager hands out
-integer *slots*; a medium that is an array (host memory) stores block
-``key`` at ``slot``, one that is a namespace (a directory, a Redis keyspace)
-names it by the key and ignores the slot.
+integer *slots*; a medium that is an array (host memory with a fixed item
+size) stores item ``key`` at ``slot``, one that is a namespace (a directory,
+a Redis keyspace, host memory holding items of any size) names it by the key
+and ignores the slot. Every stored item carries a header with its key,
+codec, shape, dtype and checksums (:mod:`kvtier.offload.codec`), so whoever
+reads it back checks it against what they expect.
+
+Media are registered by name (:mod:`kvtier.offload.registry`) and declare
+what they can do (:class:`MediumCaps`); the tier chain decides from those
+alone, so a new medium is one module and one registration.
 
 Media raise :class:`~kvtier.TierUnavailableError` when they cannot be
 reached (Redis down, disk gone); a block that is absent (a Redis server
@@ -34,23 +42,25 @@ Stored = tuple[bytes | memoryview, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
-class BlockFormat:
-    """What every block of one tier looks like: codec, shape, dtype, namespace."""
+class ItemFormat:
+    """What one stored item is: the codec it was encoded with, its shape and dtype."""
 
     codec: Codec
-    block_shape: tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: torch.dtype
-    #: Hex digest of the key namespace (model, layout, tenant); names keys in shared media.
-    namespace: str = "default"
 
     @property
     def payload_size(self) -> int:
-        return self.codec.payload_size(self.block_shape, self.dtype)
+        return self.codec.payload_size(self.shape, self.dtype)
 
     @property
     def blob_size(self) -> int:
-        """Bytes of one stored block: header plus payload."""
+        """Bytes of one stored item: header plus payload."""
         return HEADER_SIZE + self.payload_size
+
+
+#: An item to store: ``(key, slot, encoded payload, its format)``.
+PutItem = tuple[int, int, torch.Tensor, ItemFormat]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +87,18 @@ class BlockStore(Protocol):
     #: What the medium can do.
     caps: MediumCaps
 
-    def bind(self, fmt: BlockFormat, capacity: int) -> None:
-        """Called once by the tier before any other call."""
+    def bind(self, namespace: str, capacity: int, item_bytes: int | None = None) -> None:
+        """Called once by the tier before any other call.
+
+        ``namespace`` names this tier's keys where the medium is shared
+        (model, layout, tenant); ``capacity`` is the number of slots;
+        ``item_bytes`` the largest payload when every item has one size
+        (a medium may preallocate), ``None`` for items of any size.
+        """
         ...
 
-    def put(self, items: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """Store encoded payloads ``(key, slot, payload)``; all or raise."""
+    def put(self, items: Sequence[PutItem]) -> None:
+        """Store encoded payloads ``(key, slot, payload, format)``; all or raise."""
         ...
 
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
@@ -106,10 +122,10 @@ class BlockStore(Protocol):
     def close(self) -> None: ...
 
 
-def pack_blob(fmt: BlockFormat, key: int, payload: torch.Tensor) -> bytes:
+def pack_blob(fmt: ItemFormat, key: int, payload: torch.Tensor) -> bytes:
     """Header plus payload as one ``bytes`` value (for files and Redis values)."""
     cpu = payload.cpu() if payload.device.type != "cpu" else payload
-    return make_header(fmt.codec, key, fmt.block_shape, fmt.dtype, cpu) + cpu.numpy().tobytes()
+    return make_header(fmt.codec, key, fmt.shape, fmt.dtype, cpu) + cpu.numpy().tobytes()
 
 
 def split_blob(blob: bytes | bytearray | memoryview) -> Stored:

@@ -28,10 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
-import torch
-
 from kvtier.errors import ConfigError, TierUnavailableError
-from kvtier.offload.media import BlockFormat, MediumCaps, Stored, pack_blob, split_blob
+from kvtier.offload.media import MediumCaps, PutItem, Stored, pack_blob, split_blob
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -124,7 +122,7 @@ class RedisStore:
         self.errors = 0
         #: Calls refused by the circuit breaker without a network attempt.
         self.rejected = 0
-        self._fmt: BlockFormat | None = None
+        self._namespace: str | None = None
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._failed = False
@@ -178,17 +176,15 @@ class RedisStore:
         """False from a failed call until the next call that succeeds."""
         return not self._failed and not self._closed
 
-    def bind(self, fmt: BlockFormat, capacity: int) -> None:
+    def bind(self, namespace: str, capacity: int, item_bytes: int | None = None) -> None:
         # capacity is the tier's slot count; Redis manages its own space.
-        self._fmt = fmt
+        self._namespace = namespace
 
-    def _key(self, fmt: BlockFormat, key: int) -> str:
-        return f"{self.key_prefix}:{fmt.namespace}:{key:032x}"
-
-    def _format(self) -> BlockFormat:
-        if self._fmt is None:
+    def _name(self, key: int) -> str:
+        ns = self._namespace
+        if ns is None:
             raise ConfigError("RedisStore.bind() must be called before the store is used")
-        return self._fmt
+        return f"{self.key_prefix}:{ns}:{key:032x}"
 
     def _call(self, what: str, fn: Callable[[Redis | RedisCluster], _T]) -> _T:
         """Run ``fn`` on the client, turning every Redis failure into TierUnavailableError."""
@@ -247,11 +243,10 @@ class RedisStore:
 
     # ------------------------------------------------------------ BlockStore
 
-    def put(self, items: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    def put(self, items: Sequence[PutItem]) -> None:
         if not items:
             return
-        fmt = self._format()
-        values = [(self._key(fmt, key), pack_blob(fmt, key, payload)) for key, _, payload in items]
+        values = [(self._name(key), pack_blob(fmt, key, payload)) for key, _, payload, fmt in items]
 
         def run(client: Redis | RedisCluster) -> None:
             pipe = client.pipeline(transaction=False)
@@ -264,8 +259,7 @@ class RedisStore:
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
         if not items:
             return []
-        fmt = self._format()
-        names = [self._key(fmt, key) for key, _ in items]
+        names = [self._name(key) for key, _ in items]
 
         def run(client: Redis | RedisCluster) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -289,8 +283,7 @@ class RedisStore:
         """Delete blocks from Redis whatever ``delete_on_evict`` says (corrupt blocks)."""
         if not items:
             return
-        fmt = self._format()
-        names = [self._key(fmt, key) for key, _ in items]
+        names = [self._name(key) for key, _ in items]
 
         def run(client: Redis | RedisCluster) -> None:
             pipe = client.pipeline(transaction=False)
@@ -304,8 +297,7 @@ class RedisStore:
     def contains(self, keys: Sequence[int]) -> list[bool]:
         if not keys:
             return []
-        fmt = self._format()
-        names = [self._key(fmt, key) for key in keys]
+        names = [self._name(key) for key in keys]
 
         def run(client: Redis | RedisCluster) -> list[Any]:
             pipe = client.pipeline(transaction=False)
