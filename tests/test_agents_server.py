@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import httpx
@@ -119,3 +120,22 @@ def test_bad_workflows_are_refused(server: Any) -> None:
     assert r.status_code == 400 and "not an agent" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/workflows/w2/progress", json={"agent_id": "a", "when": 1})
     assert r.status_code == 400
+
+
+def test_serve_prefetch_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+    from kvtier.cli.serve import add_parser, enable_prefetch
+    from kvtier.offload.chain import Tier
+    from kvtier.offload.host import HostStore
+
+    # Without a tier the flag is refused before any model loads.
+    assert main(["serve", "--prefetch-lookahead", "2", "--port", "0"]) == 1
+    assert "add a --tier" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--prefetch-lookahead", "2", "--prefetch-memory", "1MiB"])
+    eng = tiny_engine(block_size=4, num_blocks=32, policy="workflow", tiers=[Tier(HostStore(), 64)])
+    enable_prefetch(eng, args)
+    assert eng.agents.prefetcher is not None
+    assert (eng.agents.prefetcher.lookahead, eng.agents.prefetcher.max_bytes) == (2, 2**20)
+    eng.close()

@@ -10,7 +10,9 @@ The parts that need PyTorch and transformers load on first use, so ``import
 kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
 ``kvtier.KvTierCache``, ``kvtier.Engine``, ``kvtier.EngineWorker``,
 ``kvtier.SamplingParams`` (:mod:`kvtier.engine`) and ``kvtier.create_app``
-(:mod:`kvtier.server`).
+(:mod:`kvtier.server`). The agent hints and workflows (``kvtier.Hints``,
+``kvtier.WorkflowSpec``, ``kvtier.WorkflowPolicy``, ...) come from
+:mod:`kvtier.agents`.
 """
 
 from kvtier._lazy import lazy_exports
@@ -203,6 +205,16 @@ _LAZY = {
     "LegacyOffloadingManager": "kvtier.integrations.vllm.legacy",
     "KvEventPublisher": "kvtier.integrations.vllm.events",
     "KvtierCachePolicy": "kvtier.integrations.vllm.cache_policy",
+    # Agent- and workflow-aware caching (kvtier.agents; docs/agents.md).
+    "AgentSpec": "kvtier.agents",
+    "Hints": "kvtier.agents",
+    "WorkflowPolicy": "kvtier.agents",
+    "WorkflowSpec": "kvtier.agents",
+    "WorkflowTracker": "kvtier.agents",
+    "fan_out_in": "kvtier.agents",
+    "parse_hints": "kvtier.agents",
+    "parse_workflow": "kvtier.agents",
+    "sequential": "kvtier.agents",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)
