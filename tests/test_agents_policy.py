@@ -263,15 +263,20 @@ def test_ttl_pins_expire_by_time_alone() -> None:
     assert p.evict() in (1, 2) and p.protected_used <= 1
 
 
-def test_the_pin_cap_yields_the_pins_that_end_soonest() -> None:
+def test_the_pin_cap_yields_the_pins_that_end_latest() -> None:
     p = WorkflowPolicy(guard=False, pin_fraction=0.5)
     p.bind(8)
-    p.on_request([1, 2, 3, 4], 0, 0.0, {"cache_ttl_s": 10})
-    p.insert_many([1, 2, 3, 4])
-    p.on_request([5, 6], 0, 0.0, {"cache_ttl_s": 20})
-    p.insert_many([5, 6])
+    p.on_request([1, 2], 0, 0.0, {"cache_ttl_s": 20})
+    p.insert_many([1, 2])
+    p.on_request([3, 4, 5], 0, 0.0, {"cache_ttl_s": 10})
+    p.insert_many([3, 4, 5])
+    # The session due back sooner (TTL 10) takes the room of the one due later.
     protected = dict(p.snapshot()["protected"])
-    assert p.protected_used == 4 == p.pin_cap and {5, 6} <= set(protected)
+    assert p.protected_used == 4 == p.pin_cap and {3, 4, 5} <= set(protected)
+    # A pin that would end after every current one does not get in.
+    p.on_request([6], 0, 0.0, {"cache_ttl_s": 30})
+    p.insert_many([6])
+    assert 6 not in dict(p.snapshot()["protected"]) and p.protected_used == 4
 
 
 def test_bad_hints_are_refused_by_name() -> None:

@@ -18,7 +18,8 @@ fallback policy (LRU by default, any registered policy by name):
   when the request finishes; expiry is by time, checked on every call that
   tells the policy the time, without waiting for memory pressure). Pinned
   blocks are evicted last, but never more than ``pin_fraction`` of the
-  capacity is pinned: past the cap, the pins that expire soonest are dropped,
+  capacity is pinned: past the cap, the pins that end latest are dropped (a
+  TTL says when the session is due back, and MIN keeps what is due soonest),
   so hints can never starve the cache. They stay evictable in the owner's
   sense (an owner that must have room still gets it);
 * a block of an agent due later than every resident block is not admitted
@@ -137,7 +138,7 @@ class WorkflowPolicy(PolicyBase):
         self._expiry: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
         self._protected: dict[int, tuple[float, int]] = {}
-        #: (expiry, key) of protected keys, soonest first; entries whose expiry
+        #: (-expiry, key) of protected keys, latest first; entries whose expiry
         #: no longer matches the key's protection are stale and skipped.
         self._pheap: list[tuple[float, int]] = []
         self._protected_used = 0
@@ -363,7 +364,7 @@ class WorkflowPolicy(PolicyBase):
         return self._protected_used
 
     def pin_for(self, keys: Iterable[int], until: float) -> None:
-        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, soonest pins go."""
+        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, the latest pins go."""
         for key in keys:
             if self._expiry.get(key, -1.0) >= until:
                 continue
@@ -380,27 +381,28 @@ class WorkflowPolicy(PolicyBase):
         pheap = self._pheap
         if key in protected:
             protected[key] = (until, size)
-            heapq.heappush(pheap, (until, key))
+            heapq.heappush(pheap, (-until, key))
             return
         cap = self.pin_cap
         if size > cap:
             return
         while self._protected_used + size > cap:
-            # The pin that ends soonest yields (it has had most of its time).
-            first, victim = pheap[0]
+            # The pin that ends latest yields: a TTL is when the session is due back,
+            # and MIN keeps what is needed soonest.
+            neg, victim = pheap[0]
             entry = protected.get(victim)
-            if entry is None or entry[0] != first:
+            if entry is None or entry[0] != -neg:
                 heapq.heappop(pheap)  # stale
                 continue
-            if first > until:
-                return  # every current pin outlasts this one: it does not get in
+            if -neg < until:
+                return  # every current pin ends sooner than this one: it does not get in
             heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
-        heapq.heappush(pheap, (until, key))
+        heapq.heappush(pheap, (-until, key))
         self._protected_used += size
         if len(pheap) > 4 * len(protected) + 64:
-            self._pheap = [(u, k) for k, (u, _) in protected.items()]
+            self._pheap = [(-u, k) for k, (u, _) in protected.items()]
             heapq.heapify(self._pheap)
         self._move(key)
 
