@@ -100,3 +100,15 @@ def test_wrong_hints_keep_nine_tenths_of_the_fallbacks_hit_ratio(
             lru = simulate(tr, "lru", cap, model).token_hit_ratio
             wf = simulate(tr, "workflow", cap, model).token_hit_ratio
             assert wf >= 0.9 * lru, (frac, model, wf, lru)
+
+
+def test_the_generator_writes_traces_the_replay_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tools.jsonl"
+    assert W.main(["tools", str(out), "-n", "5"]) == 0
+    assert "kvtier replay" in capsys.readouterr().out
+    tr = load_trace(out, block_size=W.BLOCK_SIZE)
+    assert tr.requests and all(r.hints and "session_id" in r.hints for r in tr.requests)
+    assert W.main(["mooncake", str(tmp_path / "m.jsonl")]) == 1
+    assert "--trace" in capsys.readouterr().err

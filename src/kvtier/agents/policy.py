@@ -364,7 +364,7 @@ class WorkflowPolicy(PolicyBase):
         return self._protected_used
 
     def pin_for(self, keys: Iterable[int], until: float) -> None:
-        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, the latest pins go."""
+        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go."""
         for key in keys:
             if self._expiry.get(key, -1.0) >= until:
                 continue

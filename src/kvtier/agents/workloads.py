@@ -21,6 +21,9 @@ with :func:`write_trace` and replay with ``kvtier replay FILE --block-size 16``.
 * :func:`mooncake_sessions`: a real Mooncake trace with sessions inferred from
   shared prefixes: a request whose blocks extend a whole earlier request's
   chain continues that request's session.
+
+From the command line: ``python -m kvtier.agents.workloads KIND OUT.jsonl``
+(``KIND`` one of cyclic, synthetic, tools, mooncake; ``--help`` for sizes).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.agents.graph import AgentSpec, WorkflowSpec, fan_out_in, sequential
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KvTierError
 
 #: Tokens per block of the generated traces.
 BLOCK_SIZE = 16
@@ -300,3 +303,49 @@ def write_trace(lines: Iterable[Line], path: str | Path) -> Path:
         for line in lines:
             fh.write(json.dumps(line, separators=(",", ":")) + "\n")
     return p
+
+
+KINDS: tuple[str, ...] = ("cyclic", "synthetic", "tools", "mooncake")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write one agent workload as a trace file (see the module docstring)."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(
+        prog="python -m kvtier.agents.workloads",
+        description="Write an agent workload as a trace for kvtier replay.",
+    )
+    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("out", help="the JSONL trace to write")
+    ap.add_argument(
+        "-n", type=int, default=None,
+        help="agents (cyclic, default 10), workflows (synthetic, 16) or sessions (tools, 60)",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", help="the Mooncake trace to infer sessions in (mooncake)")
+    args = ap.parse_args(argv)
+    try:
+        if args.kind == "cyclic":
+            lines = cyclic_workflow(args.n or 10)
+        elif args.kind == "synthetic":
+            lines = synthetic_workflows(args.n or 16, seed=args.seed)
+        elif args.kind == "tools":
+            lines = tool_sessions(args.n or 60, seed=args.seed)
+        else:
+            if not args.trace:
+                raise ConfigError("mooncake needs --trace FILE (a Mooncake JSONL trace)")
+            lines = mooncake_sessions(read_lines(args.trace))
+    except (KvTierError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    path = write_trace(lines, args.out)
+    block = 512 if args.kind == "mooncake" else BLOCK_SIZE
+    print(f"wrote {path} ({len(lines)} lines); replay it with: "
+          f"kvtier replay {path} --block-size {block} --policy lru workflow")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
