@@ -10,6 +10,7 @@ key is a victim only when nothing unpinned is left.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -208,6 +209,27 @@ def test_the_agent_due_soonest_is_evicted_last() -> None:
     order = p.evict_many(12)
     assert order[:3] == [30, 31, 32] and order[-3:] == [0, 1, 2]
     assert order[3:6] == [20, 21, 22]
+
+
+def test_a_prefetch_may_take_blocks_due_later_shared_or_not() -> None:
+    t = WorkflowTracker()
+    spec = sequential("w", ["a", "b", "c", "d"], cyclic=True)
+    prefixes = {"a": (1, 2), "b": (3, 4), "c": (5, 6), "d": (7, 8)}
+    t.register(
+        replace(spec, agents=tuple(replace(x, prefix_keys=prefixes[x.agent_id]) for x in spec.agents))
+    )
+    p = WorkflowPolicy(tracker=t, guard=False)
+    p.bind(100)
+    for step, agent in enumerate("abcd"):
+        keys = [*prefixes[agent], 100 + step]  # the prefix (shared) and one dynamic block
+        p.on_request(keys, 0, float(step), {"workflow_id": "w", "agent_id": agent, "step": step})
+        p.insert_many(keys)
+    p.insert_many([50])  # no hint: due never
+    # d ran last: a is 0 steps away, b 1, c 2, d 3. Due later than 1: c's and d's
+    # prefixes and dynamic blocks, and the unhinted block.
+    assert p.evictable_due_after(1) == 2 * 3 + 1
+    assert p.evictable_due_after(3) == 1
+    assert p.evictable_due_after(0) == 3 * 3 + 1
 
 
 def test_dynamic_suffixes_go_before_shared_prefixes() -> None:

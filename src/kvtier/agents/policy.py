@@ -647,10 +647,13 @@ class WorkflowPolicy(PolicyBase):
         """
         if self.guard is not None and self.guard.recency:
             return 0
-        limit = keep_rank(distance, False)
+        # Due later: dynamic suffixes and shared prefixes alike, never the pinned.
+        dynamic = keep_rank(distance, False)
+        shared_from, shared_to = keep_rank(FAR, True), keep_rank(distance, True)
         total = 0
         for rank, c in self._classes.items():
-            if rank < limit and c.num_evictable:
+            later = rank < dynamic or shared_from <= rank < shared_to
+            if later and c.num_evictable:
                 total += c.used - c.pinned_used if isinstance(c, PolicyBase) else c.num_evictable
         return total
 
