@@ -215,9 +215,8 @@ def test_a_prefetch_may_take_blocks_due_later_shared_or_not() -> None:
     t = WorkflowTracker()
     spec = sequential("w", ["a", "b", "c", "d"], cyclic=True)
     prefixes = {"a": (1, 2), "b": (3, 4), "c": (5, 6), "d": (7, 8)}
-    t.register(
-        replace(spec, agents=tuple(replace(x, prefix_keys=prefixes[x.agent_id]) for x in spec.agents))
-    )
+    agents = tuple(replace(x, prefix_keys=prefixes[x.agent_id]) for x in spec.agents)
+    t.register(replace(spec, agents=agents))
     p = WorkflowPolicy(tracker=t, guard=False)
     p.bind(100)
     for step, agent in enumerate("abcd"):
