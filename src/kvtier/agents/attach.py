@@ -125,6 +125,15 @@ class AgentSupport:
         p = self.prefetcher
         return p is not None and p.busy and p.finish(wait=True) > 0
 
+    def drain(self) -> bool:
+        """Land every prefetch in flight (their blocks become evictable); False if none was."""
+        p = self.prefetcher
+        if p is None or not p.busy:
+            return False
+        while p.busy:
+            p.finish(wait=True)
+        return True
+
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()

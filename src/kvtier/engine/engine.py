@@ -652,6 +652,8 @@ class Engine:
             try:
                 ext = self.manager.extend(seq.seq_id, seq.tokens[seq.known : upto])
             except OutOfBlocksError:
+                if self.agents.drain():
+                    continue  # prefetches held blocks; landed, they are evictable
                 victim = self._running[-1]
                 if victim is seq:
                     if len(self._running) == 1:
@@ -712,8 +714,8 @@ class Engine:
                 hints=None if seq.hints is None or seq.admissions else seq.hints.as_dict(),
             )
         except OutOfBlocksError as exc:
-            if self._running:
-                return None  # wait for running requests to finish and free blocks
+            if self._running or self.agents.drain():
+                return None  # wait for running requests (or prefetches) to free blocks
             self._waiting.popleft()
             self._finish(seq, "error", "", outs, error=f"out of KV cache blocks: {exc}")
             return 0
