@@ -443,13 +443,13 @@ def test_manager_calls_the_hook_with_its_clock_and_hints() -> None:
     rec = Recording()
     t = [5.0]
     m = KVCacheManager(4, 2, policy=rec, clock=lambda: t[0])
-    a = m.allocate("a", [1, 2, 3, 4, 5], hints={"session": "s1"})
+    a = m.allocate("a", [1, 2, 3, 4, 5], hints={"session_id": "s1"})
     m.free("a")
     t[0] = 7.0
     m.allocate("b", [1, 2, 3, 4, 9])
     keys = m.block_keys("b")
     assert rec.calls == [
-        (m.block_keys("b")[:2], 0, 5.0, {"session": "s1"}),
+        (m.block_keys("b")[:2], 0, 5.0, {"session_id": "s1"}),
         (keys, 2, 7.0, None),
     ]
     assert a.num_cached_tokens == 0

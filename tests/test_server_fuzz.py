@@ -71,8 +71,10 @@ def test_schema_fuzzing_finds_no_server_error(
 
     generation = GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE
     for op in operations:
-        if generation is GenerationMode.NEGATIVE and op.method.upper() != "POST":
-            continue  # nothing to get wrong in a request without a body or parameters
+        if generation is GenerationMode.NEGATIVE and (op.method.upper() != "POST" or not op.body):
+            # Nothing to get wrong in a request without a body schema (the workflow
+            # endpoints read free-form JSON and check it themselves).
+            continue
 
         @FUZZ
         @given(case=op.as_strategy(generation_mode=generation), served=st.booleans())

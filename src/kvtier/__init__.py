@@ -10,7 +10,9 @@ The parts that need PyTorch and transformers load on first use, so ``import
 kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
 ``kvtier.KvTierCache``, ``kvtier.Engine``, ``kvtier.EngineWorker``,
 ``kvtier.SamplingParams`` (:mod:`kvtier.engine`) and ``kvtier.create_app``
-(:mod:`kvtier.server`).
+(:mod:`kvtier.server`). The agent hints and workflows (``kvtier.Hints``,
+``kvtier.WorkflowSpec``, ``kvtier.WorkflowPolicy``, ...) come from
+:mod:`kvtier.agents`.
 """
 
 from kvtier._lazy import lazy_exports
@@ -211,6 +213,16 @@ _LAZY = {
     "EncoderSpec": "kvtier.mm.keys",
     "MediaItem": "kvtier.mm.keys",
     "ItemKeyer": "kvtier.mm.keys",
+    # Agent- and workflow-aware caching (kvtier.agents; docs/agents.md).
+    "AgentSpec": "kvtier.agents",
+    "Hints": "kvtier.agents",
+    "WorkflowPolicy": "kvtier.agents",
+    "WorkflowSpec": "kvtier.agents",
+    "WorkflowTracker": "kvtier.agents",
+    "fan_out_in": "kvtier.agents",
+    "parse_hints": "kvtier.agents",
+    "parse_workflow": "kvtier.agents",
+    "sequential": "kvtier.agents",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)

@@ -24,6 +24,7 @@ from typing import Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
+from kvtier.agents.hints import parse_hints
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     BadRequestError,
@@ -356,7 +357,9 @@ class KVCacheManager:
         block key. ``block_keys`` may carry keys the caller already computed with
         ``self.hasher.chain`` for the full blocks of ``token_ids`` (a scheduler
         hashes a request once, on arrival); only the partial tail is then read.
-        ``hints`` go to a request-aware policy's ``on_request`` with the keys;
+        ``hints`` (the agent hints of :mod:`kvtier.agents.hints`; unknown or
+        malformed ones raise :class:`BadRequestError` before anything changes)
+        go to a request-aware policy's ``on_request`` with the keys;
         an engine that allocates a long prompt chunk by chunk passes the whole
         prompt's keys as ``request_keys``, so the policy hears of the request
         as it is, not of its first chunk. ``item_keys`` are the prompt's
@@ -373,6 +376,10 @@ class KVCacheManager:
             raise BadRequestError(f"request id {request_id!r} is not hashable") from None
         if live:
             raise DuplicateRequestError(request_id)
+        checked: Mapping[str, object] | None = None
+        if hints is not None:
+            parsed = parse_hints(hints, where="hints")
+            checked = None if parsed is None else parsed.as_dict()
         bs = self.block_size
         extra = tuple(extra_keys)
         items = check_item_keys(item_keys) if item_keys else ()
@@ -407,7 +414,7 @@ class KVCacheManager:
 
         hook = self._request_hook
         if hook is not None:
-            hook(keys if request_keys is None else request_keys, n_hit, self.clock(), hints)
+            hook(keys if request_keys is None else request_keys, n_hit, self.clock(), checked)
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
         table = BlockTable(bs, hits + new_blocks, n)

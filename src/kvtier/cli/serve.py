@@ -358,6 +358,12 @@ def preflight(config: Any) -> tuple[Any, list[str]]:
     return tokenizer, warnings
 
 
+def enable_prefetch(engine: Any, args: argparse.Namespace) -> None:
+    """Turn on agent prefetch as ``--prefetch-lookahead`` asks (ConfigError without a tier)."""
+    if args.prefetch_lookahead > 0:
+        engine.agents.enable_prefetch(args.prefetch_lookahead, args.prefetch_memory)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -370,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
             "pip install 'kvtier[torch,serve]'"
         ) from None
     config = engine_config(args)
+    if args.prefetch_lookahead > 0 and not config.tiers:
+        raise ConfigError("--prefetch-lookahead brings blocks back from tiers: add a --tier")
     limits = server_limits(args)
     images = image_limits(args)
     _check_device(args.device)
@@ -386,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         engine = Engine.from_config(config, tokenizer=tokenizer)
         print(f"kvtier: loaded in {time.perf_counter() - started:.1f}s", flush=True)
+        enable_prefetch(engine, args)
         for line in engine.describe():
             print(f"kvtier: {line}", flush=True)
         name = args.served_model_name or engine.model_id
@@ -761,6 +770,22 @@ def _add_tiers(serve: argparse.ArgumentParser) -> None:
         help="every tier alike: write_back (store a block below when it is evicted) or "
         "write_through (store every computed block at once). Default: Redis writes through, "
         "host and disk write back",
+    )
+    tiers.add_argument(
+        "--prefetch-lookahead",
+        type=arg(non_negative_int, "step count"),
+        default=0,
+        metavar="N",
+        help="bring the blocks of agents due within N steps of their registered workflows "
+        "back from the tiers before their requests (needs a tier; best with --policy "
+        "workflow; default 0: off)",
+    )
+    tiers.add_argument(
+        "--prefetch-memory",
+        type=arg(parse_memory_size, "memory size"),
+        default=64 * 2**20,
+        metavar="SIZE",
+        help="bytes of blocks prefetches read at once, at most (default 64MiB)",
     )
 
 

@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from kvtier.agents.attach import AgentSupport
+from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -98,6 +100,8 @@ __all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check
 
 #: Tokens one step computes at most, by default: a few prompt chunks next to the decodes.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: What _admit returns for a request whose prefix a prefetch is still loading.
+_DEFERRED = -1
 #: Finished requests whose block keys :meth:`Engine.compress_request` can still find.
 FINISHED_REQUESTS_REMEMBERED = 256
 
@@ -235,6 +239,8 @@ class Engine:
         self._unready: collections.Counter[int] = collections.Counter()
         self._ids = itertools.count()
         self._order = itertools.count()
+        #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
+        self.agents = AgentSupport(self)
         #: Block keys of recently finished requests (request id -> one chain per
         #: choice), so :meth:`compress_request` can find their cached blocks.
         self._finished_keys: collections.OrderedDict[str, list[list[int]]] = (
@@ -454,14 +460,18 @@ class Engine:
         *,
         arrival_time: float | None = None,
         mm: Any = None,
+        hints: Hints | dict[str, object] | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input.
 
         ``mm`` is the request's :class:`~kvtier.mm.prompt.MultimodalPrompt`
         (from :meth:`encode_multimodal_chat`), for a prompt with images.
+        ``hints`` are the agent hints of :mod:`kvtier.agents.hints` (a mapping
+        or :class:`~kvtier.agents.Hints`); unknown or malformed ones are refused.
         """
         params = params or SamplingParams()
         ids = list(prompt_ids)
+        checked = parse_hints(hints, where="hints")
         self.check_request(ids, params)
         if mm is not None:
             from kvtier.mm.engine import check_multimodal
@@ -480,6 +490,7 @@ class Engine:
             RequestMetrics(now, len(ids)),
             seq_id=rid,
             forked=params.n == 1,
+            hints=checked,
         )
         seq.mm = mm
         self._waiting.append(seq)
@@ -526,6 +537,7 @@ class Engine:
         """Stop pressure sampling, finish background tier writes, close the tiers' media."""
         if self.pressure is not None:
             self.pressure.close()
+        self.agents.close()
         if self.tier_chain is not None:
             self.tier_chain.close()
         if self.events is not None:
@@ -593,6 +605,7 @@ class Engine:
         outs: list[RequestOutput] = []
         if self.tier_chain is not None:
             self.tier_chain.poll()
+            self.agents.poll()
         for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
             self._finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
@@ -602,6 +615,8 @@ class Engine:
         elif any(s.load is not None for s in self._running):
             # Nothing can compute until a load is in: wait for one instead of spinning.
             self._finish_loads(outs, wait=True)
+        elif self._waiting:
+            self.agents.wait()  # the waiting requests need blocks a prefetch is loading
         if self.events is not None:
             self._publish_events()
         return outs
@@ -655,6 +670,7 @@ class Engine:
             batch.append((seq, n))
             if n > 1 or seq.num_tokens - seq.computed > 1:
                 budget -= n
+        deferred: list[Seq] = []
         while self._waiting and budget > 0:
             seq = self._waiting[0]
             group = 1 if seq.forked else seq.params.n
@@ -663,9 +679,14 @@ class Engine:
             got = self._admit(seq, budget, outs)
             if got is None:
                 break  # it waits (for blocks, a prefix being computed, memory pressure)
+            if got == _DEFERRED:
+                # Its blocks are still being prefetched: requests that are ready go first.
+                deferred.append(self._waiting.popleft())
+                continue
             if got > 0:
                 batch.append((seq, got))
                 budget -= got
+        self._waiting.extendleft(reversed(deferred))
         return batch
 
     def _grow(
@@ -680,6 +701,8 @@ class Engine:
             try:
                 ext = self.manager.extend(seq.seq_id, seq.tokens[seq.known : upto])
             except OutOfBlocksError:
+                if self.agents.drain():
+                    continue  # prefetches held blocks; landed, they are evictable
                 victim = self._running[-1]
                 if victim is seq:
                     if len(self._running) == 1:
@@ -722,6 +745,8 @@ class Engine:
         limit = (n - 1) // bs  # the last token is always computed: its logits are needed
         device_hit = len(self.manager.pool.lookup(keys[:limit])) if self.prefix_caching else 0
         if any(k in self._unready for k in keys[:device_hit]):
+            if self.agents.deferred(keys[:device_hit]):
+                return _DEFERRED
             return None  # another request is computing (or loading) this prefix: wait for it
         tier_hit = 0
         if self.tier_chain is not None and self.prefix_caching and device_hit < limit:
@@ -739,10 +764,11 @@ class Engine:
                 block_keys=keys[: upto // bs],
                 request_keys=keys,
                 item_keys=items,
+                hints=None if seq.hints is None or seq.admissions else seq.hints.as_dict(),
             )
         except OutOfBlocksError as exc:
-            if self._running:
-                return None  # wait for running requests to finish and free blocks
+            if self._running or self.agents.drain():
+                return None  # wait for running requests (or prefetches) to free blocks
             self._waiting.popleft()
             self._finish(seq, "error", "", outs, error=f"out of KV cache blocks: {exc}")
             return 0
@@ -1073,6 +1099,8 @@ class Engine:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
+        if seq.table is not None and reason in ("stop", "length"):
+            self.agents.finished(seq)
         if seq.table is not None:
             if reason == "error":
                 if seq.load is not None:

@@ -18,6 +18,7 @@ from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.obs.metrics import Histogram
 
 if TYPE_CHECKING:
+    from kvtier.agents.hints import Hints
     from kvtier.block_table import BlockTable
     from kvtier.offload.chain import PendingLoad, SwappedRequest
 
@@ -160,6 +161,8 @@ class Sequence:
     order: int = 0
     #: Its images (a :class:`~kvtier.mm.prompt.MultimodalPrompt`), shared by its choices.
     mm: Any = None
+    #: What the application said about the request (agent hints), if anything.
+    hints: Hints | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -23,9 +23,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.engine import Engine, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvTierError
@@ -123,7 +124,9 @@ class EngineWorker:
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._cv = threading.Condition()
-        self._inbox: list[tuple[list[int], SamplingParams, RequestHandle, float, Any]] = []
+        self._inbox: list[
+            tuple[list[int], SamplingParams, RequestHandle, float, Any, Hints | None]
+        ] = []
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
         self._calls: list[Callable[[Engine], None]] = []
@@ -168,12 +171,14 @@ class EngineWorker:
         *,
         loop: asyncio.AbstractEventLoop | None = None,
         mm: Any = None,
+        hints: Hints | Mapping[str, object] | None = None,
     ) -> RequestHandle:
         """Queue a request. Bad input raises :class:`BadRequestError` here, in the caller.
 
         ``mm`` is the prompt's images (:meth:`Engine.encode_multimodal_chat`).
         """
         ids = list(prompt_ids)
+        checked = parse_hints(hints, where="kvtier")
         self.engine.check_request(ids, params)  # reads configuration only: thread-safe
         if mm is not None:
             from kvtier.mm.engine import check_multimodal
@@ -187,7 +192,7 @@ class EngineWorker:
             if loop is not None:
                 handle.bind_loop(loop)
             self._handles[handle.request_id] = handle
-            self._inbox.append((ids, params, handle, time.perf_counter(), mm))
+            self._inbox.append((ids, params, handle, time.perf_counter(), mm, checked))
             self._cv.notify()
         return handle
 
@@ -304,10 +309,10 @@ class EngineWorker:
                 calls, self._calls = self._calls, []
             for task in calls:
                 task(engine)
-            for ids, params, handle, arrival, mm in inbox:
+            for ids, params, handle, arrival, mm, hints in inbox:
                 try:
                     engine.add_request(
-                        ids, params, handle.request_id, arrival_time=arrival, mm=mm
+                        ids, params, handle.request_id, arrival_time=arrival, mm=mm, hints=hints
                     )
                 except KvTierError as exc:
                     self._fail(handle, str(exc))
@@ -359,7 +364,7 @@ class EngineWorker:
             handles = list(self._handles.values())
         for task in calls:
             task(self.engine)
-        for _, _, handle, _, _ in inbox:
+        for _, _, handle, *_ in inbox:
             self._fail(handle, message)
         for handle in handles:
             self._fail(handle, message)

@@ -38,6 +38,11 @@ for _cls in (
     register_policy(_cls.name, with_admission(_cls))
 del _cls
 
+# The workflow-aware policy lives with the agent hints it reads.
+from kvtier.agents.policy import WorkflowPolicy  # noqa: E402
+
+register_policy(WorkflowPolicy.name, with_admission(WorkflowPolicy))
+
 __all__ = [
     "ARCPolicy",
     "AdmissionFilter",
@@ -53,6 +58,7 @@ __all__ = [
     "S3FIFOPolicy",
     "SIEVEPolicy",
     "TinyLFUAdmission",
+    "WorkflowPolicy",
     "admit_chain",
     "available_policies",
     "make_admission",

@@ -27,9 +27,10 @@ Hit ratios (each a total over the trace, not a mean of per-request ratios):
 * token hit ratio: prompt tokens served from cache over prompt tokens.
 
 A request-aware policy (one that overrides ``on_request``) hears of each
-request with the trace's clock: the request's ``timestamp`` in seconds
-(Mooncake's milliseconds converted), or its index when the trace has none, so
-a replay is deterministic.
+request, with its agent hints when the trace has them, on the trace's clock:
+the request's ``timestamp`` in seconds (Mooncake's milliseconds converted),
+or its index when the trace has none, so a replay is deterministic. A
+workflow-aware policy gets the trace's agent step graphs first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.agents.policy import workflow_policy_of
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.manager import Allocation, KVCacheManager
 from kvtier.policy.base import request_hook
@@ -112,6 +114,14 @@ class TraceClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def register_workflows(trace: Trace, policy: object) -> None:
+    """Register the trace's agent step graphs with a workflow-aware policy."""
+    wp = workflow_policy_of(policy)
+    if wp is not None:
+        for spec in trace.workflows:
+            wp.tracker.register(spec)
 
 
 def check_capacity(capacity: int) -> None:
@@ -194,6 +204,7 @@ def simulate_block(
     check_capacity(capacity)
     policy = make_policy(policy_name)
     policy.bind(capacity)
+    register_workflows(trace, policy)
     result = RunResult(getattr(policy, "name", policy_name), "block", capacity)
     # The simulator owns residency, as the pool does in serving; the policy
     # only orders keys and picks victims.
@@ -236,7 +247,7 @@ def simulate_block(
                 if key not in resident:
                     break
                 n_hit += 1
-            hook(keys, n_hit, clock.advance(rid, req), None)
+            hook(keys, n_hit, clock.advance(rid, req), req.hints)
         lead = -1
         for j, key in enumerate(keys):
             if key in resident:
@@ -291,6 +302,7 @@ def simulate_prefix(
     clock = TraceClock(trace)
     manager = KVCacheManager(capacity, bs, policy=policy_name, clock=clock)
     pool = manager.pool
+    register_workflows(trace, pool.policy)
     cached_block = pool.cached_block
     result = RunResult(manager.stats().policy, "prefix", capacity)
     live: deque[int] = deque()
@@ -321,7 +333,7 @@ def simulate_prefix(
         alloc: Allocation | None = None
         while alloc is None:
             try:
-                alloc = manager.allocate(rid, tokens, block_keys=keys)
+                alloc = manager.allocate(rid, tokens, block_keys=keys, hints=req.hints)
             except OutOfBlocksError:
                 if not make_room():
                     break

@@ -15,6 +15,12 @@ which one a file holds, and every later line must match it:
   :class:`~kvtier.keys.BlockHasher` (the manager's default namespace), so a
   replay keys blocks exactly as live serving does. Only full blocks get keys.
 
+Either format may carry the agent hints of :mod:`kvtier.agents.hints` as
+optional fields of a line (``session_id``, ``workflow_id``, ``agent_id``,
+``step``, ``cache_ttl_s``, ``reuse``, ...): the replay passes them to the
+policy as serving would. A line ``{"workflow": {...}}`` registers an agent
+step graph (:func:`kvtier.agents.parse_workflow`) before the replay starts.
+
 Files ending in ``.gz`` are decompressed on the fly. Every problem is a
 :class:`~kvtier.errors.KvTierError` naming the file and line.
 """
@@ -31,6 +37,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtier.agents.graph import WorkflowSpec, parse_workflow
+from kvtier.agents.hints import HINT_NAMES, parse_hints
 from kvtier.errors import BadRequestError, ConfigError
 from kvtier.keys import BlockHasher, Namespace
 
@@ -63,6 +71,8 @@ class TraceRequest:
     output_tokens: array[int] | None = None
     #: Keys of the blocks the output completes, chained after the prompt's.
     output_keys: list[int] = field(default_factory=list)
+    #: The request's agent hints (validated), or ``None``.
+    hints: dict[str, object] | None = None
 
     def full_keys(self, block_size: int) -> list[int]:
         """Keys of the prompt's full blocks: what the manager caches and looks up."""
@@ -79,6 +89,8 @@ class Trace:
     block_size: int
     requests: list[TraceRequest]
     _unique: int = field(default=-1, repr=False)
+    #: Agent step graphs the trace registers (``{"workflow": ...}`` lines).
+    workflows: list[WorkflowSpec] = field(default_factory=list)
 
     @property
     def unique_blocks(self) -> int:
@@ -137,6 +149,17 @@ def _token_ids(value: Any, name: str, where: str, allow_empty: bool) -> array[in
         ) from None
 
 
+def _hints(obj: dict[str, Any], where: str) -> dict[str, object] | None:
+    """The line's hint fields, validated (``None`` without any)."""
+    if not any(name in obj for name in HINT_NAMES):
+        return None
+    try:
+        hints = parse_hints({k: obj[k] for k in HINT_NAMES if k in obj}, where="")
+    except BadRequestError as exc:
+        raise BadRequestError(f"{where}: {exc}") from None
+    return None if hints is None else hints.as_dict()
+
+
 def _mooncake_request(obj: dict[str, Any], where: str, block_size: int) -> TraceRequest:
     ids = obj.get("hash_ids")
     if not isinstance(ids, list):
@@ -156,7 +179,7 @@ def _mooncake_request(obj: dict[str, Any], where: str, block_size: int) -> Trace
             f"{block_size} tokens but 'hash_ids' has {len(ids)}; is --block-size right?"
         )
     out = _int_field(obj, "output_length", where, minimum=0) or 0
-    return TraceRequest(n, ids, _timestamp(obj, where), out)
+    return TraceRequest(n, ids, _timestamp(obj, where), out, hints=_hints(obj, where))
 
 
 def _token_request(obj: dict[str, Any], where: str, hasher: BlockHasher) -> TraceRequest:
@@ -166,14 +189,15 @@ def _token_request(obj: dict[str, Any], where: str, hasher: BlockHasher) -> Trac
     n = len(tokens)
     n_full = n // hasher.block_size
     out_raw = obj.get("output_tokens")
+    hints = _hints(obj, where)
     if out_raw is None:
-        return TraceRequest(n, hasher.chain(tokens), _timestamp(obj, where), 0, tokens)
+        return TraceRequest(n, hasher.chain(tokens), _timestamp(obj, where), 0, tokens, hints=hints)
     output = _token_ids(out_raw, "output_tokens", where, allow_empty=True)
     # One chain over prompt and output: the prompt's keys are its prefix, and
     # the rest are the keys the manager publishes when it extends the request.
     keys = hasher.chain(tokens + output)
     return TraceRequest(
-        n, keys[:n_full], _timestamp(obj, where), len(output), tokens, output, keys[n_full:]
+        n, keys[:n_full], _timestamp(obj, where), len(output), tokens, output, keys[n_full:], hints
     )
 
 
@@ -223,6 +247,7 @@ def load_trace(
     bs = 0
     hasher: BlockHasher | None = None
     requests: list[TraceRequest] = []
+    workflows: list[WorkflowSpec] = []
     try:
         for lineno, line in enumerate(_open_lines(p), 1):
             if not line.strip():
@@ -234,6 +259,12 @@ def load_trace(
                     "such as Azure's carry only lengths, no block ids, and cannot be replayed"
                 )
             obj = _parse_line(line, where)
+            if "workflow" in obj and "hash_ids" not in obj and "tokens" not in obj:
+                try:
+                    workflows.append(parse_workflow(obj["workflow"]))
+                except BadRequestError as exc:
+                    raise BadRequestError(f"{where}: {exc}") from None
+                continue
             if fmt is None:
                 fmt = _detect(obj, where)
                 if fmt == "mooncake":
@@ -254,7 +285,7 @@ def load_trace(
         raise ConfigError(f"cannot read trace {p}: {exc}") from None
     if fmt is None or not requests:
         raise ConfigError(f"trace {p} holds no requests")
-    return Trace(name or p.name, fmt, bs, requests)
+    return Trace(name or p.name, fmt, bs, requests, workflows=workflows)
 
 
 def load_sample_trace(*, block_size: int | None = None, limit: int | None = None) -> Trace:

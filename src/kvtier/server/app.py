@@ -11,7 +11,10 @@
 * ``GET /v1/cache/stats``: the cache manager's statistics, the engine's
   counters and the KV block layout, as JSON;
 * ``/admin/...``: list the engine's requests and move one to another server
-  (:mod:`kvtier.server.admin`).
+  (:mod:`kvtier.server.admin`);
+* ``/v1/workflows``: register agent step graphs and report their progress
+  (:mod:`kvtier.server.workflows`); completions take agent hints in a
+  ``kvtier`` object (:mod:`kvtier.agents.hints`).
 
 Every bad input is answered with HTTP 400 and OpenAI's error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
@@ -40,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtier.agents.hints import Hints
 from kvtier.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -271,11 +275,18 @@ def create_app(
             )
 
     async def submit(
-        ids: list[int], params: SamplingParams, *, prompt_param: str, mm: Any = None
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt_param: str,
+        mm: Any = None,
+        hints: Hints | None = None,
     ) -> RequestHandle:
         admit()
         try:
-            return worker.submit(ids, params, loop=asyncio.get_running_loop(), mm=mm)
+            return worker.submit(
+                ids, params, loop=asyncio.get_running_loop(), mm=mm, hints=hints
+            )
         except BadRequestError as exc:
             param = exc.param
             if param in ("messages", "prompt"):
@@ -389,6 +400,7 @@ def create_app(
         requested = body.requested_max_tokens()
         # Parameters are checked before the prompt is tokenized: a bad one costs nothing.
         params = body.sampling_params(requested or 1, engine.sampling_defaults)
+        hints = body.agent_hints()
         admit()
         if urls:
             ids, mm = await asyncio.to_thread(_encode_with_images, engine, messages, urls, images)
@@ -398,7 +410,7 @@ def create_app(
             params = dataclasses.replace(
                 params, max_tokens=max(engine.max_model_len - len(ids), 1)
             )
-        handle = await submit(ids, params, prompt_param="messages", mm=mm)
+        handle = await submit(ids, params, prompt_param="messages", mm=mm, hints=hints)
 
         def choice(text: str, lps: list[Any]) -> dict[str, Any]:
             return {
@@ -425,13 +437,14 @@ def create_app(
         body.check_supported()
         prompt = body.single_prompt()
         params = body.sampling_params(body.requested_max_tokens(), engine.sampling_defaults)
+        hints = body.agent_hints()
         if isinstance(prompt, str):
             check_chars(len(prompt), "prompt")
             admit()
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         else:
             ids = prompt
-        handle = await submit(ids, params, prompt_param="prompt")
+        handle = await submit(ids, params, prompt_param="prompt", hints=hints)
 
         def choice(text: str, lps: list[Any]) -> dict[str, Any]:
             lp = completion_logprobs(tokens, lps) if params.logprobs is not None else None
@@ -526,6 +539,9 @@ def create_app(
     from kvtier.server.admin import register_admin
 
     register_admin(app, worker)
+    from kvtier.server.workflows import register_workflows
+
+    register_workflows(app, worker)
     return app
 
 

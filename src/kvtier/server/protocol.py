@@ -6,7 +6,9 @@ OpenAI's schema strictly: booleans are not numbers, numbers are not strings,
 roles are an enum, content is required where the schema requires it, every
 number has OpenAI's range, and text must be valid Unicode (a lone surrogate
 is refused, since it cannot be encoded). Fields kvtier does not know are
-ignored, as OpenAI's newer fields would be; fields it knows but cannot
+ignored, as OpenAI's newer fields would be, except ``kvtier``: the agent
+hints extension object (:mod:`kvtier.agents.hints`), validated strictly.
+Fields it knows but cannot
 honour (tools, ``response_format`` other than text, ``echo``, ``suffix``,
 ``best_of`` > 1, audio, content parts other than text and ``image_url``;
 ``image_url`` parts for a model that takes no images) are refused by name with
@@ -21,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.sampling import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from kvtier.errors import BadRequestError
 
@@ -174,6 +177,12 @@ class _Sampling(_Body):
     frequency_penalty: Penalty | None = None
     logit_bias: dict[Text, Bias] | None = None
     user: Text | None = None
+    #: kvtier's extension: agent hints (clients send it with ``extra_body``).
+    kvtier: dict[str, Any] | None = None
+
+    def agent_hints(self) -> Hints | None:
+        """The request's ``kvtier`` hints, validated (unknown or malformed ones: 400)."""
+        return parse_hints(self.kvtier, where="kvtier")
 
     @property
     def streaming(self) -> bool:

@@ -1,0 +1,265 @@
+"""Agent workloads: the workflow policy against LRU and MIN, and an agent loop in the engine.
+
+Part one replays the agent workloads of :mod:`kvtier.agents.workloads`
+through kvtier's own cache code (:mod:`kvtier.replay.simulator`):
+
+* ``cyclic``: one deterministic loop of 10 agents with 512-token prompts, the
+  cache holding 6 prompts;
+* ``synthetic``: 16 concurrent workflows (sequential, fan-out/fan-in, cyclic;
+  4-8 agents with 500-4,000-token prompts, 6 runs each);
+* ``tools``: 60 tool-calling sessions (log-normal tool latency, median 3 s,
+  hinted ``cache_ttl_s`` within 50% of the truth); ``tools-busy``: 200
+  sessions arriving 7x as often;
+* ``mooncake``: the Mooncake conversation trace (``shared/traces``) with
+  sessions inferred from shared prefixes.
+
+Each at a cache of a third and a tenth of the trace's unique blocks (the
+cyclic loop: 6 of its 10 prompts), in the ``prefix`` model (a real
+:class:`~kvtier.manager.KVCacheManager`, what serving sees) and the
+``block`` model. Per policy: the token hit ratio and the re-prefilled
+tokens, prompt tokens an unbounded cache would have served that this one
+computed again. MIN is Belady's optimum over the same block accesses.
+
+Part two runs a 4-agent loop on the real model (SmolLM2-135M-Instruct) in the
+reference engine: each step's prompt is the agent's fixed prompt
+(``--prompt-tokens``) plus fresh tokens, and generates one token; the device
+holds about 2.4 requests (``--device-blocks``). Configurations: LRU without
+hints, the workflow policy with hints, LRU over a host tier, and the
+workflow policy with hints over a host tier with prefetch (lookahead 1).
+Between steps the loop waits for prefetches in flight (the client's think
+time). Reported per configuration: the median TTFT of the steps after the
+first round, the share of those steps whose agent prompt was already on the
+device when the request came ("warm"), and the cached prompt tokens.
+
+Run ``python bench/agents.py --help``; ``--quick`` is a short smoke run.
+Results go to ``bench/results/agents.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    CONVERSATION_TRACE,
+    REPO,
+    format_markdown_table,
+    format_table,
+    git_state,
+    log,
+    machine_info,
+    median,
+    write_json,
+)
+
+from kvtier.agents import workloads as W
+from kvtier.replay.simulator import Model, simulate, simulate_min
+from kvtier.replay.traces import Trace, load_trace
+
+POLICIES = ("lru", "workflow", "MIN")
+
+
+def _workloads(quick: bool, tmp: Path) -> dict[str, Trace]:
+    def load(name: str, lines: list[dict[str, Any]], bs: int = W.BLOCK_SIZE) -> Trace:
+        return load_trace(W.write_trace(lines, tmp / f"{name}.jsonl"), block_size=bs)
+
+    out = {
+        "cyclic": load("cyclic", W.cyclic_workflow(10, 512, rounds=8)),
+        "synthetic": load("synthetic", W.synthetic_workflows(4 if quick else 16)),
+        "tools": load("tools", W.tool_sessions(20 if quick else 60)),
+        "tools-busy": load("tools-busy", W.tool_sessions(60 if quick else 200, arrival_s=0.3)),
+    }
+    if CONVERSATION_TRACE.exists():
+        with CONVERSATION_TRACE.open() as fh:
+            raw = [json.loads(line) for line in fh if line.strip()]
+        out["mooncake"] = load("mooncake", W.mooncake_sessions(raw[: 1000 if quick else None]), 512)
+    else:
+        log(f"{CONVERSATION_TRACE} not found: the mooncake rows are skipped")
+    return out
+
+
+def replay_rows(quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, trace in _workloads(quick, Path(tmp)).items():
+            if name == "cyclic":
+                sizes = [("6 of 10 prompts", 6 * 512 // W.BLOCK_SIZE)]
+            else:
+                sizes = [(f"1/{d}", max(1, trace.unique_blocks // d)) for d in (3, 10)]
+            models: tuple[Model, ...] = ("prefix", "block")
+            for model in models:
+                unbounded = simulate(trace, "lru", trace.unique_blocks + 1, model).cached_tokens
+                for label, cap in sizes:
+                    log(f"replay {name} {model} {label}")
+                    row: dict[str, Any] = {
+                        "workload": name, "model": model, "cache": label, "capacity_blocks": cap,
+                        "requests": len(trace.requests), "unique_blocks": trace.unique_blocks,
+                    }  # fmt: skip
+                    for p in POLICIES:
+                        r = (
+                            simulate_min(trace, cap, model)
+                            if p == "MIN"
+                            else simulate(trace, p, cap, model)
+                        )
+                        row[f"{p}_hit"] = r.token_hit_ratio
+                        row[f"{p}_reprefill"] = max(unbounded - r.cached_tokens, 0)
+                    rows.append(row)
+    return rows
+
+
+def _ratio(a: int, b: int) -> str:
+    return "-" if b == 0 else f"{a / b:.2f}x"
+
+
+def replay_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
+    headers = [
+        "workload", "model", "cache", "LRU hit", "workflow hit", "MIN hit",
+        "LRU re-prefill", "workflow re-prefill", "MIN re-prefill", "workflow/LRU",
+    ]  # fmt: skip
+    out: list[list[object]] = []
+    for r in rows:
+        out.append([
+            r["workload"], r["model"], r["cache"],
+            *(f"{r[f'{p}_hit']:.3f}" for p in POLICIES),
+            *(f"{r[f'{p}_reprefill']:,}" for p in POLICIES),
+            _ratio(r["workflow_reprefill"], r["lru_reprefill"]),
+        ])  # fmt: skip
+    return headers, out
+
+
+# -- the engine loop ------------------------------------------------------------------------
+
+AGENTS = ("plan", "code", "test", "review")
+CONFIGS: tuple[tuple[str, str, bool, bool, bool], ...] = (
+    # label, policy, hints, host tier, prefetch
+    ("LRU, no hints", "lru", False, False, False),
+    ("workflow, hints", "workflow", True, False, False),
+    ("LRU, no hints, host tier", "lru", False, True, False),
+    ("workflow, hints, host tier, prefetch", "workflow", True, True, True),
+)
+
+
+def engine_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from kvtier.agents import sequential
+    from kvtier.engine import Engine, SamplingParams
+    from kvtier.engine.model import load_model
+    from kvtier.offload.chain import Tier
+    from kvtier.offload.host import HostStore
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log("loading the model ...")
+    loaded = load_model(None)
+    model, tok = loaded.model, loaded.tokenizer
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    prompts = {a: torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=g).tolist()
+               for a in AGENTS}  # fmt: skip
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    rows: list[dict[str, Any]] = []
+    bs = 16
+    for label, policy, hinted, tier, prefetch in CONFIGS:
+        log(f"engine: {label}")
+        eng = Engine(
+            model, tok, model_id=loaded.model_id, block_size=bs, num_blocks=args.device_blocks,
+            policy=policy, tiers=[Tier(HostStore(), 4096)] if tier else (),
+        )  # fmt: skip
+        spec = sequential("loop", list(AGENTS), cyclic=True)
+        agents = tuple(replace(a, prefix_tokens=tuple(prompts[a.agent_id])) for a in spec.agents)
+        spec = replace(spec, agents=agents)
+        eng.agents.register(spec)
+        if prefetch:
+            eng.agents.enable_prefetch(lookahead=1)
+        ttfts: list[float] = []
+        warm: list[bool] = []
+        cached: list[int] = []
+        step = 0
+        with torch.no_grad():
+            for rnd in range(args.rounds):
+                for a in AGENTS:
+                    pf = eng.agents.prefetcher
+                    while pf is not None and pf.busy:
+                        pf.finish(wait=True)
+                    keys = eng.manager.hasher.chain(prompts[a])
+                    on_device = len(eng.manager.pool.lookup(keys)) == len(keys)
+                    fresh = torch.randint(100, vocab - 100, (32,), generator=g).tolist()
+                    hints = {"workflow_id": "loop", "agent_id": a, "step": step} if hinted else None
+                    rid = eng.add_request(prompts[a] + fresh, one, hints=hints)
+                    m = None
+                    while eng.has_unfinished():
+                        for out in eng.step():
+                            if out.request_id == rid and out.finished:
+                                if out.error is not None:
+                                    raise RuntimeError(f"{label}, step {step}: {out.error}")
+                                m = out.metrics
+                    if pf is not None:
+                        pf.poll()
+                    step += 1
+                    assert m is not None and m.ttft is not None
+                    if rnd > 0:  # the first round is cold everywhere
+                        ttfts.append(m.ttft)
+                        warm.append(on_device)
+                        cached.append(m.cached_tokens)
+        eng.manager.check()
+        eng.close()
+        rows.append({
+            "config": label, "steps": len(ttfts), "median_ttft_s": median(ttfts),
+            "ttft_s": ttfts, "warm": sum(warm) / len(warm),
+            "mean_cached_tokens": sum(cached) / len(cached),
+        })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="small workloads, 2 rounds")
+    ap.add_argument("--no-engine", action="store_true", help="the replay table only")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="each agent's fixed prompt")
+    ap.add_argument("--device-blocks", type=int, default=44, help="device blocks of 16 tokens")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the engine loop")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--markdown", action="store_true", help="also print Markdown tables")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agents.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds = 2
+    rows = replay_rows(args.quick)
+    headers, table = replay_table(rows)
+    print("replay: token hit ratio and re-prefilled tokens (unbounded cache's hits - these)")
+    print(format_table(headers, table))
+    engine: list[dict[str, Any]] = []
+    if not args.no_engine:
+        engine = engine_rows(args)
+        e_headers = ["configuration", "steps", "median TTFT ms", "warm", "cached tokens/step"]
+        e_table: list[list[object]] = [
+            [r["config"], r["steps"], f"{1000 * r['median_ttft_s']:.1f}",
+             f"{100 * r['warm']:.0f}%", f"{r['mean_cached_tokens']:.0f}"]
+            for r in engine
+        ]  # fmt: skip
+        print(f"\nengine: 4-agent loop, {args.prompt_tokens}-token prompts, "
+              f"{args.device_blocks} device blocks, rounds 2-{args.rounds}")  # fmt: skip
+        print(format_table(e_headers, e_table))
+    if args.markdown:
+        print()
+        print(format_markdown_table(headers, table))
+        if engine:
+            print()
+            print(format_markdown_table(e_headers, e_table))
+    write_json(args.out, {
+        "benchmark": "agents", "args": {k: str(v) for k, v in vars(args).items()},
+        "replay": rows, "engine": engine, "machine": machine_info(), "git": git_state(REPO),
+    })  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""An engine's agent support: its workflows, request hints, TTL pins on finish, prefetch.
+
+Every :class:`~kvtier.engine.Engine` has one :class:`AgentSupport` as
+``engine.agents``. It owns the engine's :class:`WorkflowTracker` (the
+workflow policy's own, when the device runs ``policy="workflow"``), registers
+workflows (hashing agents' prompt prefixes with the engine's block keys),
+tells the policy when a hinted request finishes (so ``cache_ttl_s`` pins its
+blocks, generated ones included, from that moment), remembers each agent's
+last prompt, and runs the :class:`~kvtier.agents.prefetch.Prefetcher` when
+prefetch is on (:meth:`enable_prefetch`; it needs tiers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState
+from kvtier.agents.hints import Hints
+from kvtier.agents.policy import workflow_policy_of
+from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
+from kvtier.agents.tracker import WorkflowTracker
+from kvtier.errors import BadRequestError, ConfigError
+
+#: Agents whose last prompt is remembered for prefetch, at most.
+MAX_REMEMBERED = 10_000
+
+
+class AgentSupport:
+    """The agent-aware parts of one engine (see the module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.policy = workflow_policy_of(engine.manager.pool.policy)
+        self.tracker: WorkflowTracker = (
+            self.policy.tracker if self.policy is not None else WorkflowTracker()
+        )
+        if self.policy is not None and self.policy.clock is None:
+            self.policy.clock = engine.manager.clock
+        self.prefetcher: Prefetcher | None = None
+        self._last: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+
+    # -- workflows ------------------------------------------------------------------
+    def register(self, spec: WorkflowSpec) -> WorkflowState:
+        """Register ``spec``; agents' ``prefix`` text and tokens become block keys here."""
+        agents = []
+        hasher = self.engine.manager.hasher
+        for a in spec.agents:
+            tokens = a.prefix_tokens
+            if a.prefix is not None and not tokens:
+                tokens = tuple(self.engine.encode_prompt(a.prefix))
+            keys = a.prefix_keys
+            if tokens and not keys:
+                keys = tuple(hasher.chain(list(tokens)))
+            agents.append(replace(a, prefix_tokens=tuple(tokens), prefix_keys=tuple(keys)))
+        return self.tracker.register(WorkflowSpec(spec.workflow_id, tuple(agents)))
+
+    def prefix_from_messages(self, messages: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+        """Token ids of chat ``messages`` as the template renders them at a prompt's start."""
+        tok = self.engine.tokenizer
+        if getattr(tok, "chat_template", None) is None:
+            raise BadRequestError(
+                f"model {self.engine.model_id} has no chat template: give the prefix as text",
+                param="prefix_messages",
+            )
+        text = tok.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False)
+        return tuple(tok.encode(text, add_special_tokens=False))
+
+    # -- requests ---------------------------------------------------------------------
+    def finished(self, seq: Any) -> None:
+        """A request ended normally: its blocks join its agent, TTL pins start now."""
+        hints: Hints | None = getattr(seq, "hints", None)
+        if hints is None or seq.table is None:
+            return
+        manager = self.engine.manager
+        keys = manager.block_keys(seq.seq_id)
+        if self.policy is not None:
+            self.policy.on_finish(keys, manager.clock(), hints)
+        if hints.workflow_id and hints.agent_id:
+            bs = manager.block_size
+            agent = (hints.workflow_id, hints.agent_id)
+            self._last.pop(agent, None)
+            self._last[agent] = (list(seq.tokens[: len(keys) * bs]), keys)
+            while len(self._last) > MAX_REMEMBERED:
+                self._last.pop(next(iter(self._last)))
+
+    def target(self, agent: tuple[str, str]) -> tuple[Sequence[int], Sequence[int]] | None:
+        """Token ids and block keys to prefetch for ``agent``: its last prompt, or its prefix."""
+        last = self._last.get(agent)
+        if last is not None and last[1]:
+            return last
+        state = self.tracker.get(agent[0])
+        spec: AgentSpec | None = state.agent(agent[1]) if state is not None else None
+        if spec is None or not spec.prefix_tokens or not spec.prefix_keys:
+            return None
+        n = len(spec.prefix_keys)
+        return spec.prefix_tokens[: n * self.engine.manager.block_size], spec.prefix_keys
+
+    # -- prefetch ----------------------------------------------------------------------
+    def enable_prefetch(self, lookahead: int = 2, max_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
+        """Prefetch blocks of agents due within ``lookahead`` steps (needs tiers)."""
+        if self.engine.tier_chain is None:
+            raise ConfigError("prefetch brings blocks back from tiers: configure a tier first")
+        policy = self.policy
+        self.prefetcher = Prefetcher(
+            self.engine,
+            self.target,
+            self.tracker.due,
+            policy.evictable_due_after if policy is not None else (lambda _d: 0),
+            lookahead,
+            max_bytes,
+        )
+
+    def poll(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.poll()
+
+    def deferred(self, keys: Sequence[int]) -> bool:
+        """Whether a request needing ``keys`` should let ready requests go first."""
+        return self.prefetcher is not None and self.prefetcher.loading(keys)
+
+    def wait(self) -> bool:
+        """Wait for one prefetch to land; False if none is in flight."""
+        p = self.prefetcher
+        return p is not None and p.busy and p.finish(wait=True) > 0
+
+    def drain(self) -> bool:
+        """Land every prefetch in flight (their blocks become evictable); False if none was."""
+        p = self.prefetcher
+        if p is None or not p.busy:
+            return False
+        while p.busy:
+            p.finish(wait=True)
+        return True
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()

@@ -1,0 +1,690 @@
+"""Workflow-aware eviction: blocks needed soonest are evicted last.
+
+:class:`WorkflowPolicy` (registered as ``"workflow"``) ranks each resident
+block by what the application's hints say about it and breaks ties with a
+fallback policy (LRU by default, any registered policy by name):
+
+* a block belongs to the agents whose requests used it (learned from the
+  hints ``workflow_id``/``agent_id`` each request carries, and from the
+  agents' registered prompt prefixes); its distance is the smallest
+  steps-to-execution among them (:mod:`kvtier.agents.graph`), infinitely far
+  for blocks of no known agent;
+* dynamic suffixes (blocks one agent or session used) go before shared
+  prefixes (an agent's registered prefix, or a block two agents or sessions
+  used), and within each, the blocks of the agent due farthest go first;
+  ``reuse="never"`` blocks go first of all and ``reuse="likely"`` ones just
+  after the unknown ones;
+* ``cache_ttl_s`` pins a request's blocks until the TTL runs out (counted from
+  when the request finishes; expiry is by time, checked on every call that
+  tells the policy the time, without waiting for memory pressure). Pinned
+  blocks are evicted last, but never more than ``pin_fraction`` of the
+  capacity is pinned: past the cap, the pins that end latest are dropped (a
+  TTL says when the session is due back, and MIN keeps what is due soonest),
+  so hints can never starve the cache. They stay evictable in the owner's
+  sense (an owner that must have room still gets it);
+* a block of an agent due later than every resident block is not admitted
+  when the level is full (MIN's bypass: caching it would evict something
+  needed sooner).
+
+Each class keeps its own instance of the fallback, and one more instance
+holds every key in the fallback's global order. While no resident block has
+a hint-derived rank, every decision (victims, admission) is the global
+instance's, so without hints this policy *is* its fallback, decision for
+decision. An :class:`~kvtier.policy.guard.LRUGuard` watches a sampled LRU
+shadow: when hints make the cache clearly worse than recency would (stale or
+wrong hints), victims come from the fallback's global order until a later
+probe shows the hints helping again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvtier.agents.graph import FAR
+from kvtier.agents.hints import Hints, parse_hints
+from kvtier.agents.tracker import WorkflowTracker
+from kvtier.errors import ConfigError, InternalInvariantError
+from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.guard import LRUGuard
+from kvtier.policy.registry import make_policy
+
+#: The class of keys no hint ranks (and of every key without hints).
+DEFAULT = 1
+#: ``reuse="never"``: evicted before anything else.
+NEVER = 0
+#: TTL-pinned keys: evicted last.
+PINNED = 3 * FAR + 10
+#: Owners one key remembers at most (a block shared more widely is shared anyway).
+_MAX_OWNERS = 8
+
+
+def keep_rank(distance: int, shared: bool) -> int:
+    """The class of a block ``distance`` steps from use; lower classes are evicted first.
+
+    Every dynamic suffix ranks below every shared prefix; within each, the
+    farther the block's agent, the lower.
+    """
+    return 1 + (FAR - min(max(distance, 0), FAR)) + (FAR + 1) * int(shared)
+
+
+@dataclass(slots=True)
+class _Tag:
+    """What the hints said about one key."""
+
+    owners: list[tuple[str, str]] = field(default_factory=list)
+    session: str | None = None
+    shared: bool = False
+    reuse: str | None = None
+
+
+class WorkflowPolicy(PolicyBase):
+    """Evict blocks of the agents due latest first (see the module docstring).
+
+    ``fallback`` names the policy that orders ties (and everything, without
+    hints); ``tracker`` is the :class:`WorkflowTracker` to rank by (a new,
+    empty one by default; an engine shares its own). ``pin_fraction`` caps
+    TTL-pinned size units as a share of the capacity; ``history`` is how many
+    keys' hints are remembered, as a multiple of the key capacity;
+    ``clock`` (seconds) lets evictions expire pins on time even between
+    requests; ``guard`` turns the LRU guard off when False.
+    """
+
+    name: ClassVar[str] = "workflow"
+
+    def __init__(
+        self,
+        fallback: str = "lru",
+        *,
+        tracker: WorkflowTracker | None = None,
+        pin_fraction: float = 0.5,
+        history: int = 4,
+        clock: Callable[[], float] | None = None,
+        guard: bool = True,
+        fallback_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(fallback, str) or fallback.lower() == self.name:
+            raise ConfigError(
+                f"the workflow policy's fallback must be another policy, got {fallback!r}"
+            )
+        if not 0.0 <= pin_fraction <= 1.0:
+            raise ConfigError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
+        if history < 1:
+            raise ConfigError(f"history must be at least 1, got {history}")
+        self.fallback = fallback
+        self._fallback_kwargs = dict(fallback_kwargs or {})
+        self.tracker = tracker if tracker is not None else WorkflowTracker()
+        self.pin_fraction = pin_fraction
+        self.clock = clock
+        self._history_factor = history
+        self._use_guard = guard
+        self._global: EvictionPolicy = self._new_fallback()
+        # The global instance records every size; share its table (evict_for reads it).
+        self._sizes = getattr(self._global, "_sizes", self._sizes)
+        self._classes: dict[int, EvictionPolicy] = {}
+        #: Resident keys outside the default class, and their class.
+        self._class_of: dict[int, int] = {}
+        self._pinned: set[int] = set()
+        self._tags: OrderedDict[int, _Tag] = OrderedDict()
+        self._history = 1024
+        #: (workflow, agent) -> resident keys it owns.
+        self._by_agent: dict[tuple[str, str], set[int]] = {}
+        self._by_workflow: dict[str, set[str]] = {}
+        #: TTL pins: key -> expiry, a heap of (expiry, key), the keys protected now.
+        self._expiry: dict[int, float] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._protected: dict[int, tuple[float, int]] = {}
+        #: (-expiry, key) of protected keys, latest first; entries whose expiry
+        #: no longer matches the key's protection are stale and skipped.
+        self._pheap: list[tuple[float, int]] = []
+        self._protected_used = 0
+        self._now = 0.0
+        self.guard: LRUGuard | None = None
+        self.requests = 0
+        self.hinted_requests = 0
+        self.bypassed = 0
+        self.tracker.subscribe(self._on_workflow)
+
+    def _new_fallback(self) -> EvictionPolicy:
+        policy = make_policy(self.fallback, **self._fallback_kwargs)
+        if self.capacity:
+            policy.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
+        return policy
+
+    def bind(self, capacity: int, typical_size: int = 1) -> None:
+        super().bind(capacity, typical_size)
+        self._global.bind(capacity, typical_size)
+        for c in self._classes.values():
+            c.bind(capacity, typical_size)
+        self._history = max(self._history_factor * self.key_capacity, 1024)
+        self.guard = LRUGuard(self.key_capacity) if self._use_guard else None
+
+    def close(self) -> None:
+        """Stop listening to the tracker (a policy that is being dropped)."""
+        self.tracker.unsubscribe(self._on_workflow)
+
+    # -- classes ----------------------------------------------------------------------
+    def _cls(self, rank: int) -> EvictionPolicy:
+        c = self._classes.get(rank)
+        if c is None:
+            c = self._new_fallback()
+            self._classes[rank] = c
+        return c
+
+    def _rank_of(self, key: int) -> int:
+        return self._class_of.get(key, DEFAULT)
+
+    def _rank(self, key: int) -> int:
+        """The class ``key`` belongs in now."""
+        if key in self._protected:
+            return PINNED
+        tag = self._tags.get(key)
+        if tag is None:
+            return DEFAULT
+        if tag.reuse == "never":
+            return NEVER
+        d = FAR
+        distance = self.tracker.distance
+        for wid, aid in tag.owners:
+            x = distance(wid, aid)
+            if x < d:
+                d = x
+        if d >= FAR and tag.reuse == "likely":
+            d = FAR - 1
+        return keep_rank(d, tag.shared)
+
+    def _size(self, key: int) -> int:
+        g = self._global
+        return g.size_of(key) if isinstance(g, PolicyBase) else 1
+
+    def _move(self, key: int) -> None:
+        """Put a resident key in the class it belongs in now."""
+        old = self._rank_of(key)
+        new = self._rank(key)
+        if new == old:
+            return
+        size = self._size(key)
+        self._classes[old].remove(key)
+        self._cls(new).insert(key, key in self._pinned, size)
+        if new == DEFAULT:
+            del self._class_of[key]
+        else:
+            self._class_of[key] = new
+
+    def _index(self, key: int, tag: _Tag) -> None:
+        for owner in tag.owners:
+            self._by_agent.setdefault(owner, set()).add(key)
+            self._by_workflow.setdefault(owner[0], set()).add(owner[1])
+
+    def _unindex(self, key: int) -> None:
+        tag = self._tags.get(key)
+        if tag is not None:
+            for owner in tag.owners:
+                keys = self._by_agent.get(owner)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._by_agent[owner]
+
+    def _on_workflow(self, workflow_id: str) -> None:
+        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
+        state = self.tracker.get(workflow_id)
+        if state is not None:
+            for a in state.spec.agents:
+                if a.prefix_keys:
+                    self._tag_keys(a.prefix_keys, (workflow_id, a.agent_id), None, shared=True)
+        agents = self._by_workflow.get(workflow_id, ())
+        for aid in list(agents):
+            for key in list(self._by_agent.get((workflow_id, aid), ())):
+                self._move(key)
+
+    # -- hints --------------------------------------------------------------------------
+    def _tag_keys(
+        self,
+        keys: Sequence[int],
+        owner: tuple[str, str] | None,
+        session: str | None,
+        *,
+        shared: bool = False,
+        reuse: str | None = None,
+    ) -> None:
+        tags = self._tags
+        resident = self._global
+        for key in keys:
+            tag = tags.get(key)
+            if tag is None:
+                tag = _Tag(session=session, shared=shared, reuse=reuse)
+                tags[key] = tag
+            else:
+                tags.move_to_end(key)
+                if shared:
+                    tag.shared = True
+                if session is not None:
+                    if tag.session is None:
+                        tag.session = session
+                    elif tag.session != session:
+                        tag.shared = True
+                if reuse is not None and not tag.shared:
+                    tag.reuse = reuse
+                if tag.shared:
+                    tag.reuse = None if tag.reuse == "never" else tag.reuse
+            if owner is not None and owner not in tag.owners:
+                if tag.owners:
+                    tag.shared = True
+                    tag.reuse = None if tag.reuse == "never" else tag.reuse
+                if len(tag.owners) < _MAX_OWNERS:
+                    tag.owners.append(owner)
+                if key in resident:
+                    self._by_agent.setdefault(owner, set()).add(key)
+                    self._by_workflow.setdefault(owner[0], set()).add(owner[1])
+            if key in resident:
+                self._move(key)
+        excess = len(tags) - self._history
+        tries = 4 * excess + 8
+        while excess > 0 and tries > 0:
+            tries -= 1
+            old, tag = tags.popitem(last=False)
+            if old in resident:
+                tags[old] = tag  # a resident key keeps its hints
+            else:
+                excess -= 1
+
+    def _hints(self, hints: Mapping[str, object] | Hints | None) -> Hints | None:
+        return parse_hints(hints, where="hints")
+
+    def on_request(
+        self,
+        keys: Sequence[int],
+        num_hit: int,
+        now: float,
+        hints: Mapping[str, object] | None = None,
+    ) -> None:
+        self.expire(now)
+        self.requests += 1
+        guard = self.guard
+        if guard is not None:
+            guard.observe(keys, self._global)
+        h = self._hints(hints)
+        if h is None:
+            return
+        self.hinted_requests += 1
+        self._apply(keys, num_hit, h, now)
+
+    def on_finish(
+        self, keys: Sequence[int], now: float, hints: Mapping[str, object] | Hints | None = None
+    ) -> None:
+        """A request that used ``keys`` (generated blocks included) finished at ``now``.
+
+        Its blocks join its agent or session, and ``cache_ttl_s`` pins them
+        from now on.
+        """
+        self.expire(now)
+        h = self._hints(hints)
+        if h is None:
+            return
+        self._apply(keys, len(keys), h, now, progress=False)
+
+    def _apply(
+        self, keys: Sequence[int], num_hit: int, h: Hints, now: float, *, progress: bool = True
+    ) -> None:
+        if progress:
+            self.tracker.observe(h)
+        owner = (h.workflow_id, h.agent_id) if h.workflow_id and h.agent_id else None
+        prefix: frozenset[int] = frozenset()
+        if owner is not None:
+            state = self.tracker.get(owner[0])
+            spec = state.agent(owner[1]) if state is not None else None
+            if spec is not None and spec.prefix_keys:
+                prefix = frozenset(spec.prefix_keys)
+        session = h.session_id or h.parent_session_id
+        if prefix:
+            self._tag_keys([k for k in keys if k in prefix], owner, session, shared=True)
+            rest = [k for k in keys if k not in prefix]
+        else:
+            rest = list(keys)
+        # reuse speaks for the request's own new blocks, never for ones others use.
+        self._tag_keys(rest[:num_hit], owner, session)
+        self._tag_keys(rest[num_hit:], owner, session, reuse=h.reuse)
+        if h.cache_ttl_s:
+            self.pin_for(keys, now + h.cache_ttl_s)
+
+    # -- TTL pins -------------------------------------------------------------------------
+    @property
+    def pin_cap(self) -> int:
+        """Size units TTL pins may protect at most."""
+        return int(self.pin_fraction * self.capacity)
+
+    @property
+    def protected_used(self) -> int:
+        """Size units TTL pins protect now."""
+        return self._protected_used
+
+    def pin_for(self, keys: Iterable[int], until: float) -> None:
+        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go."""
+        for key in keys:
+            if self._expiry.get(key, -1.0) >= until:
+                continue
+            self._expiry[key] = until
+            heapq.heappush(self._heap, (until, key))
+            if key in self._global:
+                self._protect(key, until)
+
+    def _protect(self, key: int, until: float) -> None:
+        if until <= self._now:
+            return
+        protected = self._protected
+        size = self._size(key)
+        pheap = self._pheap
+        if key in protected:
+            protected[key] = (until, size)
+            heapq.heappush(pheap, (-until, key))
+            return
+        cap = self.pin_cap
+        if size > cap:
+            return
+        while self._protected_used + size > cap:
+            # The pin that ends latest yields: a TTL is when the session is due back,
+            # and MIN keeps what is needed soonest.
+            neg, victim = pheap[0]
+            entry = protected.get(victim)
+            if entry is None or entry[0] != -neg:
+                heapq.heappop(pheap)  # stale
+                continue
+            if -neg < until:
+                return  # every current pin ends sooner than this one: it does not get in
+            heapq.heappop(pheap)
+            self._unprotect(victim)
+        protected[key] = (until, size)
+        heapq.heappush(pheap, (-until, key))
+        self._protected_used += size
+        if len(pheap) > 4 * len(protected) + 64:
+            self._pheap = [(-u, k) for k, (u, _) in protected.items()]
+            heapq.heapify(self._pheap)
+        self._move(key)
+
+    def _unprotect(self, key: int) -> None:
+        entry = self._protected.pop(key, None)
+        if entry is None:
+            return
+        self._protected_used -= entry[1]
+        if key in self._global:
+            self._move(key)
+
+    def expire(self, now: float) -> int:
+        """Drop the TTL pins that ran out by ``now``; returns how many keys lost theirs."""
+        if now > self._now:
+            self._now = now
+        now = self._now
+        heap = self._heap
+        n = 0
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            if self._expiry.get(key) == until:
+                del self._expiry[key]
+                if key in self._protected:
+                    self._unprotect(key)
+                    n += 1
+        return n
+
+    def _tick(self) -> None:
+        if self.clock is not None and self._heap:
+            self.expire(self.clock())
+
+    # -- the policy protocol ----------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._global.used
+
+    @property
+    def pinned_used(self) -> int:
+        g = self._global
+        return g.pinned_used if isinstance(g, PolicyBase) else len(g) - g.num_evictable
+
+    def size_of(self, key: int) -> int:
+        return self._size(key)
+
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._pinned
+
+    def admit(self, key: int) -> bool:
+        tag = self._tags.get(key)
+        if tag is None or not self._class_of or (self.guard is not None and self.guard.recency):
+            return self._global.admit(key)
+        if self.used < self.capacity:
+            return self._global.admit(key)
+        rank = self._rank(key)
+        lowest = self._lowest_evictable()
+        if lowest is not None and rank < lowest:
+            self.bypassed += 1
+            return False
+        return self._global.admit(key)
+
+    def _place(self, key: int, pinned: bool, size: int) -> None:
+        tag = self._tags.get(key)
+        if tag is not None:
+            self._index(key, tag)
+        rank = self._rank(key)
+        self._cls(rank).insert(key, pinned, size)
+        if rank != DEFAULT:
+            self._class_of[key] = rank
+        until = self._expiry.get(key)
+        if until is not None:
+            self._protect(key, until)
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        self._global.insert(key, pinned, size)
+        if pinned:
+            self._pinned.add(key)
+        self._place(key, pinned, size)
+
+    def insert_many(
+        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
+    ) -> None:
+        self._global.insert_many(keys, pinned, sizes)
+        if pinned:
+            self._pinned.update(keys)
+        if sizes is None:
+            for key in keys:
+                self._place(key, pinned, 1)
+        else:
+            for key, size in zip(keys, sizes, strict=True):
+                self._place(key, pinned, size)
+
+    def access(self, key: int) -> None:
+        self._global.access(key)
+        c = self._classes.get(self._rank_of(key))
+        if c is not None and key in c:
+            c.access(key)
+
+    def access_many(self, keys: Sequence[int]) -> None:
+        self._global.access_many(keys)
+        if not self._class_of:
+            c = self._classes.get(DEFAULT)
+            if c is not None:
+                c.access_many([k for k in keys if k in c])
+            return
+        for key in keys:
+            c = self._classes.get(self._rank_of(key))
+            if c is not None and key in c:
+                c.access(key)
+
+    def pin(self, key: int) -> None:
+        self._global.pin(key)
+        self._classes[self._rank_of(key)].pin(key)
+        self._pinned.add(key)
+
+    def unpin(self, key: int) -> None:
+        self._global.unpin(key)
+        self._classes[self._rank_of(key)].unpin(key)
+        self._pinned.discard(key)
+
+    def pin_many(self, keys: Sequence[int]) -> None:
+        self._global.pin_many(keys)
+        self._by_class(keys, "pin_many")
+        self._pinned.update(keys)
+
+    def unpin_many(self, keys: Sequence[int]) -> None:
+        self._global.unpin_many(keys)
+        self._by_class(keys, "unpin_many")
+        self._pinned.difference_update(keys)
+
+    def _by_class(self, keys: Sequence[int], method: str) -> None:
+        if not self._class_of:
+            getattr(self._classes[DEFAULT], method)(keys)
+            return
+        groups: dict[int, list[int]] = {}
+        for key in keys:
+            groups.setdefault(self._rank_of(key), []).append(key)
+        for rank, group in groups.items():
+            getattr(self._classes[rank], method)(group)
+
+    def _forget(self, key: int) -> None:
+        """``key`` left the level: drop its class membership and protection."""
+        self._class_of.pop(key, None)
+        self._pinned.discard(key)
+        entry = self._protected.pop(key, None)
+        if entry is not None:
+            self._protected_used -= entry[1]
+        self._unindex(key)
+
+    def remove(self, key: int) -> None:
+        if key not in self._global:
+            return
+        rank = self._rank_of(key)
+        self._global.remove(key)
+        self._classes[rank].remove(key)
+        self._forget(key)
+
+    def _lowest_evictable(self) -> int | None:
+        best: int | None = None
+        for rank, c in self._classes.items():
+            if c.num_evictable and (best is None or rank < best):
+                best = rank
+        return best
+
+    def _recency(self) -> bool:
+        return not self._class_of or (self.guard is not None and self.guard.recency)
+
+    def _take_global(self, victims: list[int]) -> list[int]:
+        """Victims the global order chose: leave their classes too."""
+        for key in victims:
+            self._classes[self._rank_of(key)].remove(key)
+            self._forget(key)
+        return victims
+
+    def _take_class(self, victims: list[int]) -> list[int]:
+        remove = self._global.remove
+        for key in victims:
+            remove(key)
+            self._forget(key)
+        return victims
+
+    def evict(self) -> int | None:
+        self._tick()
+        if self._recency():
+            key = self._global.evict()
+            if key is None:
+                return None
+            self._classes[self._rank_of(key)].remove(key)
+            self._forget(key)
+            return key
+        rank = self._lowest_evictable()
+        if rank is None:
+            return None
+        c = self._classes[rank]
+        key = c.evict()
+        if key is None:
+            raise InternalInvariantError("a class with evictable keys found no victim")
+        self._global.remove(key)
+        self._forget(key)
+        return key
+
+    def evict_many(self, n: int) -> list[int]:
+        self._tick()
+        if self._recency():
+            return self._take_global(self._global.evict_many(n))
+        out: list[int] = []
+        while len(out) < n:
+            rank = self._lowest_evictable()
+            if rank is None:
+                break
+            c = self._classes[rank]
+            got = c.evict_many(min(n - len(out), c.num_evictable))
+            if not got:
+                raise InternalInvariantError("a class with evictable keys found no victim")
+            out.extend(self._take_class(got))
+        return out
+
+    def evict_for(self, size: int) -> list[int] | None:
+        if self._recency() and self.capacity > 0:
+            self.check_size(size)
+            chosen = self._global.evict_for(size)
+            return None if chosen is None else self._take_global(chosen)
+        # PolicyBase's loop over self.evict(); it reads the sizes the global instance keeps.
+        return super().evict_for(size)
+
+    def __len__(self) -> int:
+        return len(self._global)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._global
+
+    @property
+    def num_evictable(self) -> int:
+        return self._global.num_evictable
+
+    # -- for the prefetcher and the tests ---------------------------------------------------------
+    def evictable_due_after(self, distance: int) -> int:
+        """Evictable size units of blocks due later than ``distance`` steps (or never).
+
+        What a prefetch for an agent ``distance`` steps away may evict without
+        evicting anything due sooner. 0 while the guard has eviction in
+        recency order (then no class order holds).
+        """
+        if self.guard is not None and self.guard.recency:
+            return 0
+        # Due later: dynamic suffixes and shared prefixes alike, never the pinned.
+        dynamic = keep_rank(distance, False)
+        shared_from, shared_to = keep_rank(FAR, True), keep_rank(distance, True)
+        total = 0
+        for rank, c in self._classes.items():
+            later = rank < dynamic or shared_from <= rank < shared_to
+            if later and c.num_evictable:
+                total += c.used - c.pinned_used if isinstance(c, PolicyBase) else c.num_evictable
+        return total
+
+    def rank_of(self, key: int) -> int:
+        """The class a resident key is in (:data:`DEFAULT` without hints)."""
+        return self._rank_of(key)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self._state(),
+            "fallback": self.fallback,
+            "global": self._global.snapshot(),
+            "classes": [(r, c.snapshot()) for r, c in sorted(self._classes.items())],
+            "class_of": sorted(self._class_of.items()),
+            "pinned": sorted(self._pinned),
+            "tags": [
+                (k, list(t.owners), t.session, t.shared, t.reuse) for k, t in self._tags.items()
+            ],
+            "expiry": sorted(self._expiry.items()),
+            "protected": sorted(self._protected.items()),
+            "protected_used": self._protected_used,
+            "now": self._now,
+            "guard": None if self.guard is None else self.guard.snapshot(),
+            "tracker": self.tracker.snapshot(),
+            "counts": (self.requests, self.hinted_requests, self.bypassed),
+        }
+
+
+def workflow_policy_of(policy: object) -> WorkflowPolicy | None:
+    """The :class:`WorkflowPolicy` inside ``policy`` (itself, or wrapped by admission)."""
+    if isinstance(policy, WorkflowPolicy):
+        return policy
+    inner = getattr(policy, "policy", None)
+    return inner if isinstance(inner, WorkflowPolicy) else None

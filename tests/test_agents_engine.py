@@ -1,0 +1,257 @@
+"""Agent hints and prefetch in the engine: the tiny model, real host/disk/Redis tiers.
+
+Hints change no output; bad hints are refused; a finished hinted request
+pins its blocks for its TTL; prefetch brings the next agents' blocks back
+from the tiers before their requests, within its byte bound, soonest first,
+never evicting blocks due sooner; and a request whose blocks are still
+loading lets a ready request run first.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from needs import need_redis_server
+from redis_servers import RedisServer
+from tiny_model import solo_greedy, tiny_model_and_tokenizer
+
+from kvtier import BadRequestError, ConfigError
+from kvtier.agents import sequential, workflow_policy_of
+from kvtier.agents.policy import PINNED
+from kvtier.agents.prefetch import Candidate, plan_prefetch
+from kvtier.engine import Engine, SamplingParams
+from kvtier.offload.chain import Tier
+from kvtier.offload.disk import DiskStore
+from kvtier.offload.host import HostStore
+from kvtier.offload.redis_store import RedisStore
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+AGENTS = ["plan", "code", "test", "review"]
+
+
+@pytest.fixture(scope="module")
+def model_tok() -> tuple[Any, Any]:
+    return tiny_model_and_tokenizer()
+
+
+def agent_prompts(n_tokens: int = 48) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return {a: torch.randint(5, 90, (n_tokens,), generator=g).tolist() for a in AGENTS}
+
+
+def run(engine: Engine, prompt: list[int], hints: dict[str, Any] | None = None) -> list[int]:
+    rid = engine.add_request(prompt, GREEDY, hints=hints)
+    toks: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                toks.extend(out.token_ids)
+    return toks
+
+
+def test_hints_change_no_output_and_bad_ones_are_refused(model_tok: tuple[Any, Any]) -> None:
+    model, tok = model_tok
+    eng = Engine(model, tok, model_id="tiny", block_size=4, num_blocks=64, policy="workflow")
+    eng.agents.register(sequential("w", AGENTS, cyclic=True))
+    prompts = agent_prompts(20)
+    for step, a in enumerate(AGENTS):
+        hints = {"workflow_id": "w", "agent_id": a, "step": step, "session_id": "s"}
+        assert run(eng, prompts[a], hints) == solo_greedy(model, prompts[a], 4)
+    assert eng.agents.tracker.distance("w", "plan") == 0
+    for bad, match in (
+        ({"agent": "x"}, "unknown hint 'agent'"),
+        ({"reuse": "maybe"}, "reuse"),
+        ({"cache_ttl_s": -1}, "cache_ttl_s"),
+        ("plan", "object of hints"),
+    ):
+        with pytest.raises(BadRequestError, match=match):
+            eng.add_request(prompts["plan"], GREEDY, hints=bad)  # type: ignore[arg-type]
+    assert not eng.has_unfinished()
+    eng.manager.check()
+
+
+def test_a_finished_request_pins_its_blocks_for_its_ttl(model_tok: tuple[Any, Any]) -> None:
+    model, tok = model_tok
+    clock = [100.0]
+    eng = Engine(model, tok, model_id="tiny", block_size=4, num_blocks=64, policy="workflow")
+    eng.manager.clock = lambda: clock[0]
+    policy = workflow_policy_of(eng.manager.pool.policy)
+    assert policy is not None
+    policy.clock = eng.manager.clock
+    prompt = agent_prompts(20)["plan"]
+    run(eng, prompt, {"session_id": "tool-1", "cache_ttl_s": 30})
+    keys = eng.manager.hasher.chain(prompt + [0] * 0)[:5]
+    assert keys and all(policy.rank_of(k) == PINNED for k in keys)
+    assert 0 < policy.protected_used <= policy.pin_cap
+    clock[0] = 131.0
+    policy.expire(clock[0])
+    assert all(policy.rank_of(k) != PINNED for k in keys)
+
+
+def _tiered(model_tok: tuple[Any, Any], tiers: list[Tier], **kw: Any) -> Engine:
+    model, tok = model_tok
+    return Engine(
+        model,
+        tok,
+        model_id="tiny",
+        block_size=4,
+        num_blocks=30,
+        policy="workflow",
+        tiers=tiers,
+        **kw,
+    )
+
+
+def _loop(eng: Engine, rounds: int, prompts: dict[str, list[int]]) -> list[bool]:
+    """Run the agent loop; per step, whether the agent's prompt was on the device when it came."""
+    warm: list[bool] = []
+    bs = eng.manager.block_size
+    step = 0
+    for _ in range(rounds):
+        for a in AGENTS:
+            p = prompts[a]
+            keys = eng.manager.hasher.chain(p)
+            # Let queued prefetches land (the client's think time between steps).
+            if eng.agents.prefetcher is not None:
+                while eng.agents.prefetcher.busy:
+                    eng.agents.prefetcher.finish(wait=True)
+            warm.append(len(eng.manager.pool.lookup(keys)) * bs >= len(p) - bs)
+            run(eng, p, {"workflow_id": "w", "agent_id": a, "step": step})
+            step += 1
+            if eng.agents.prefetcher is not None:
+                eng.agents.prefetcher.poll()
+    return warm
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_prefetch_warms_the_next_agents_from_a_tier(
+    model_tok: tuple[Any, Any], tmp_path: Path, medium: str
+) -> None:
+    prompts = agent_prompts()
+    store = HostStore() if medium == "host" else DiskStore(tmp_path)
+    eng = _tiered(model_tok, [Tier(store, 200)])
+    eng.agents.register(sequential("w", AGENTS, cyclic=True))
+    eng.agents.enable_prefetch(lookahead=1, max_bytes=12 * eng.layout.bytes_per_block)
+    warm = _loop(eng, 4, prompts)
+    p = eng.agents.prefetcher
+    assert p is not None and p.counters.started > 0 and p.counters.loaded_blocks > 0
+    # After the first round every agent's prompt is back before its request.
+    assert all(warm[len(AGENTS) :]), warm
+    assert p.counters.peak_bytes <= 12 * eng.layout.bytes_per_block
+    eng.manager.check()
+    assert eng.tier_chain is not None
+    eng.tier_chain.check()
+    eng.close()
+
+
+def test_without_prefetch_the_loop_finds_prompts_cold(
+    model_tok: tuple[Any, Any],
+) -> None:
+    eng = _tiered(model_tok, [Tier(HostStore(), 200)])
+    eng.agents.register(sequential("w", AGENTS, cyclic=True))
+    warm = _loop(eng, 3, agent_prompts())
+    # The device holds about two agents' prompts: the policy keeps some, not all.
+    assert not all(warm[len(AGENTS) :])
+    eng.close()
+
+
+def test_prefetch_needs_a_tier(model_tok: tuple[Any, Any]) -> None:
+    model, tok = model_tok
+    eng = Engine(model, tok, model_id="tiny", block_size=4, num_blocks=30)
+    with pytest.raises(ConfigError, match="tier"):
+        eng.agents.enable_prefetch()
+
+
+@pytest.fixture
+def redis() -> Any:
+    need_redis_server()
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_prefetch_from_redis_lets_ready_requests_go_first(
+    model_tok: tuple[Any, Any], redis: Any
+) -> None:
+    prompts = agent_prompts()
+    eng = _tiered(model_tok, [Tier(RedisStore(redis.url), 200)])
+    eng.agents.register(sequential("w", AGENTS, cyclic=True))
+    _loop(eng, 1, prompts)
+    eng.agents.enable_prefetch(lookahead=3, max_bytes=64 * eng.layout.bytes_per_block)
+    assert eng.tier_chain is not None
+    eng.tier_chain.flush()
+    # The small device kept the agents due first; the others' prompts went to Redis.
+    grants = eng.agents.prefetcher.start() if eng.agents.prefetcher else []
+    assert grants, "an agent due soon had its prompt on Redis"
+    agent = grants[0].candidate.agent[1]
+    waiting = eng.add_request(prompts[agent], GREEDY)
+    ready = eng.add_request(list(range(5, 40)), GREEDY)
+    outs: list[Any] = []
+    batch = eng._schedule(outs)
+    # The prefetched request waits for its blocks; the ready one behind it runs now.
+    assert [s.request_id for s, _ in batch] == [ready]
+    assert [s.request_id for s in eng._waiting] == [waiting]
+    done: dict[str, list[int]] = {}
+    # Steps while a Redis read is in flight produce nothing: bound by time, not steps.
+    give_up = time.monotonic() + 120
+    while eng.has_unfinished() and time.monotonic() < give_up:
+        for out in eng.step():
+            done.setdefault(out.request_id, []).extend(out.token_ids)
+    model = model_tok[0]
+    assert done[waiting] == solo_greedy(model, prompts[agent], 4)
+    assert done[ready] == solo_greedy(model, list(range(5, 40)), 4)
+    assert eng.counters.cached_prompt_tokens > 0
+    eng.manager.check()
+    eng.close()
+
+
+candidates = st.lists(
+    st.builds(
+        Candidate,
+        st.integers(0, 5),
+        st.tuples(st.just("w"), st.sampled_from(["a", "b", "c", "d"])),
+        st.integers(1, 20),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cands=candidates,
+    budget=st.integers(0, 4000),
+    empty=st.integers(0, 30),
+    later=st.lists(st.integers(0, 10), min_size=7, max_size=7),
+)
+def test_a_prefetch_plan_keeps_its_bounds_and_order(
+    cands: list[Candidate], budget: int, empty: int, later: list[int]
+) -> None:
+    # Blocks due later than d: fewer as d grows (monotone, like the policy's classes).
+    due_after = sorted(later, reverse=True)
+    grants = plan_prefetch(
+        cands,
+        bytes_per_block=100,
+        budget_bytes=budget,
+        empty_blocks=empty,
+        evictable_after=lambda d: due_after[min(d, 6)],
+    )
+    assert sum(g.blocks for g in grants) * 100 <= budget
+    assert [g.candidate.distance for g in grants] == sorted(g.candidate.distance for g in grants)
+    used_empty = 0
+    evicted = 0
+    for g in grants:
+        assert 0 < g.blocks <= g.candidate.blocks
+        from_empty = min(g.blocks, empty - used_empty)
+        used_empty += from_empty
+        evicted += g.blocks - from_empty
+        # Everything evicted so far was due later than this agent.
+        assert evicted <= due_after[min(g.candidate.distance, 6)]
