@@ -18,14 +18,23 @@ one process on the same model weights:
 * ``floor: suffix forward``: the pure compute of the 64-token suffix given a
   ready ``DynamicCache`` of the prefix (copied outside the timer): the least
   any prefix-caching system can take.
+* ``kvtier, prefix cached, kv <dtype>``: the cached-prefix engine with its
+  blocks stored as ``--kv-cache-dtype`` (``--kv-cache-dtypes``, default
+  bfloat16, int8 and fp8_e4m3): every layer dequantizes the 2,112 tokens'
+  K/V it reads. Paired with the float32 engine on the same question, the
+  ratio of the two is the cost of reading narrower blocks.
+
+Every kvtier engine gets the same ``--kv-cache-memory`` (default 256 MiB);
+a second table shows how many blocks each dtype fits in it.
 
 TTFT is wall time from handing the request over to having the first token
 (for the engine: ``RequestMetrics.ttft``, arrival to first token; queueing is
 nil here). Systems alternate per question, in an order rotated per repeat;
 the table reports medians over ``--questions`` x ``--repeat`` samples.
 Every sample uses a question of its own, never seen by the cache; after
-each, outside the timings, the cached-prefix engine's first token is checked
-to equal the greedy token of a full forward, with exactly 2,048 tokens reused.
+each, outside the timings, the cached-prefix engines are checked to reuse
+exactly 2,048 tokens, and the float32 one's first token to equal the greedy
+token of a full forward (the narrower dtypes' agreement is counted).
 
 Run ``python bench/ttft.py --help``; ``--quick`` is a short smoke run.
 Results go to ``bench/results/ttft.json``.
@@ -56,6 +65,7 @@ from transformers import DynamicCache
 
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.model import load_model
+from kvtier.units import parse_memory_size
 
 PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
@@ -124,6 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="passes over the questions (default 2)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 3 questions, 1 pass")
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        nargs="*",
+        default=["bfloat16", "int8", "fp8_e4m3"],
+        help="KV dtypes of extra cached-prefix engines (default bfloat16 int8 fp8_e4m3)",
+    )
+    ap.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="time only the cached-prefix engines and the floor (leave out recompute and the "
+        "transformers systems, the slow ones): for comparing KV dtypes",
+    )
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=256 * 2**20,
+        help="KV memory of every kvtier engine (default 256MiB)",
+    )
     ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "ttft.json")
     args = ap.parse_args(argv)
@@ -140,16 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     # Every sample gets a question of its own, plus one to warm up with.
     prefix, questions = build_prompts(tok, args.questions * args.repeat + 1)
     bs = 16
-    need_blocks = (PREFIX_TOKENS + QUESTION_TOKENS) // bs * 4
-    cached = Engine(model, tok, model_id=loaded.model_id, block_size=bs, num_blocks=need_blocks)
-    nocache = Engine(
-        model,
-        tok,
-        model_id=loaded.model_id,
-        block_size=bs,
-        num_blocks=need_blocks,
-        prefix_caching=False,
-    )
+    mem = args.kv_cache_memory
+
+    def make(kv_cache_dtype: str = "auto", **kw: Any) -> Engine:
+        return Engine(
+            model,
+            tok,
+            model_id=loaded.model_id,
+            block_size=bs,
+            kv_cache_bytes=mem,
+            kv_cache_dtype=kv_cache_dtype,
+            **kw,
+        )
+
+    cached = make()
+    nocache = make(prefix_caching=False)
+    narrow = {dt: make(dt) for dt in args.kv_cache_dtypes}
+    capacity = {"auto": cached, **narrow}
+    need = (PREFIX_TOKENS + QUESTION_TOKENS) // bs + 1
+    for dt, e in capacity.items():
+        if e.manager.pool.num_blocks < need:
+            raise SystemExit(f"--kv-cache-memory holds {e.manager.pool.num_blocks} {dt} blocks")
     one = SamplingParams(max_tokens=1, temperature=0)
 
     def engine_ttft(engine: Engine, ids: list[int]) -> tuple[float, int, int]:
@@ -166,14 +205,19 @@ def main(argv: list[str] | None = None) -> int:
         # Warm up every path once (and put the prefix in kvtier's cache) with
         # a question of its own: every timed question is new to the cache.
         warm = questions.pop()
-        engine_ttft(cached, prefix + warm)
-        engine_ttft(nocache, prefix + warm)
-        seen: dict[int, tuple[int, int]] = {}
+        for e in (cached, nocache, *narrow.values()):
+            engine_ttft(e, prefix + warm)
+        seen: dict[tuple[str, int], tuple[int, int]] = {}
 
-        def kv_cached(q: list[int]) -> float:
-            ttft, token, hit = engine_ttft(cached, prefix + q)
-            seen[id(q)] = (token, hit)
-            return ttft
+        def kv_cached_in(dt: str, engine: Engine) -> Callable[[list[int]], float]:
+            def run(q: list[int]) -> float:
+                ttft, token, hit = engine_ttft(engine, prefix + q)
+                seen[(dt, id(q))] = (token, hit)
+                return ttft
+
+            return run
+
+        kv_cached = kv_cached_in("auto", cached)
 
         def kv_recompute(q: list[int]) -> float:
             return engine_ttft(nocache, prefix + q)[0]
@@ -211,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             "HF forward, no cache": hf_full,
             "floor: suffix forward": floor,
         }
+        for dt, e in narrow.items():
+            systems[f"kvtier, prefix cached, kv {dt}"] = kv_cached_in(dt, e)
+        if args.cached_only:
+            for name in ("kvtier, recompute", "HF generate, copied DynamicCache",
+                         "HF forward, no cache"):
+                del systems[name]
         names = list(systems)
+        agree = {dt: 0 for dt in narrow}
         samples: dict[str, list[float]] = {n: [] for n in names}
         total = args.repeat * args.questions
         done = 0
@@ -224,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
                 # Outside the timings: the cached path must match a full forward.
                 logits = model(torch.tensor([prefix + q]), logits_to_keep=1).logits
                 want = int(logits[0, -1].argmax())
-                token, hit = seen[id(q)]
+                token, hit = seen[("auto", id(q))]
                 if token != want or hit != PREFIX_TOKENS:
                     raise SystemExit(
                         f"check failed: the cached engine gave token {token} with {hit} cached "
                         f"tokens; a full forward gives {want} (expected {PREFIX_TOKENS} cached)"
                     )
+                for dt in narrow:
+                    token, hit = seen[(dt, id(q))]
+                    if hit != PREFIX_TOKENS:
+                        raise SystemExit(f"check failed: kv {dt} reused {hit} tokens")
+                    agree[dt] += token == want
                 done += 1
                 print(f"\r  {done}/{total} questions", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
@@ -253,14 +309,45 @@ def main(argv: list[str] | None = None) -> int:
         f"{loaded.model_id} ({args.dtype}), torch threads {torch.get_num_threads()}"
     )
     print(format_table(headers, rows))
-    speedup = med["kvtier, recompute"] / base
+    speedup = med["kvtier, recompute"] / base if "kvtier, recompute" in med else None
     print(
-        f"\ncached-prefix speedup over recompute: {speedup:.1f}x (target >= 15x); "
-        f"cached / floor: {base / fl:.2f}x (target <= 1.3x)"
+        "\ncached-prefix speedup over recompute: "
+        + ("not measured" if speedup is None else f"{speedup:.1f}x (target >= 15x)")
+        + f"; cached / floor: {base / fl:.2f}x (target <= 1.3x)"
     )
+    # Narrow blocks against float32 on the same question: the paired ratios' spread is the noise.
+    paired: dict[str, list[float]] = {}
+    for dt in narrow:
+        mine, f32 = samples[f"kvtier, prefix cached, kv {dt}"], samples["kvtier, prefix cached"]
+        paired[dt] = sorted(a / b for a, b in zip(mine, f32, strict=True))
+        r = paired[dt]
+        print(
+            f"kv {dt} cached / float32 cached, paired per question: median {median(r):.2f}x, "
+            f"range {r[0]:.2f}-{r[-1]:.2f}x over {len(r)} (target <= 1.3x for int8); "
+            f"first token equal to float32's greedy {agree[dt]}/{total}"
+        )
+    f32_bytes = cached.layout.bytes_per_block
+    bf16 = narrow.get("bfloat16")
+    cap_headers = ["KV dtype", "bytes per block", f"blocks in {mem / 2**20:.0f} MiB",
+                   "vs float32", "vs bfloat16"]
+    cap_rows = []
+    for dt, e in capacity.items():
+        n = e.manager.pool.num_blocks
+        cap_rows.append([
+            "float32 (auto)" if dt == "auto" else dt,
+            f"{e.layout.bytes_per_block:,}",
+            f"{n:,}",
+            f"{n / cached.manager.pool.num_blocks:.2f}x",
+            "-" if bf16 is None else f"{n / bf16.manager.pool.num_blocks:.2f}x",
+        ])
+    print(f"\nblocks of {bs} tokens each engine's pool holds in --kv-cache-memory "
+          f"(float32 blocks: {f32_bytes:,} bytes)")
+    print(format_table(cap_headers, cap_rows))
     if args.markdown:
         print()
         print(format_markdown_table(headers, rows))
+        print()
+        print(format_markdown_table(cap_headers, cap_rows))
     write_json(
         args.out,
         {
@@ -276,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             "median_s": med,
             "speedup_vs_recompute": speedup,
             "cached_over_floor": base / fl,
+            "kv_cache_memory": mem,
+            "pool_blocks": {dt: e.manager.pool.num_blocks for dt, e in capacity.items()},
+            "bytes_per_block": {dt: e.layout.bytes_per_block for dt, e in capacity.items()},
+            "narrow_over_float32_paired": paired,
+            "narrow_first_token_agree": agree,
             "machine": machine_info(),
             "git": git_state(REPO),
             "versions": {p: package_version(p) for p in ("torch", "transformers", "kvtier")},

@@ -104,6 +104,8 @@ def test_greedy_and_nucleus_sampling() -> None:
     for top_p, want in ((0.9, {1, 3}), (0.95, {1, 2, 3})):
         nucleus = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0))
         assert {nucleus(logits) for _ in range(400)} == want
+    # A top_p below float32's smallest number still keeps the most likely token.
+    assert Sampler(SamplingParams(temperature=1.0, top_p=5e-324, seed=0))(logits) == 1
 
 
 def test_temperature_sampling_follows_the_softmax() -> None:

@@ -36,7 +36,7 @@ from kvtier.integrations.errors import (
     UnsupportedVllmError,
 )
 from kvtier.keys import HASH_ALGORITHMS, KEY_FORMAT_VERSION, BlockHasher, Namespace
-from kvtier.layout import KVLayout, cdiv
+from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout, cdiv
 from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvtier.placement import DevicePool, Growth, Move, MultiDeviceManager, Placement
@@ -135,6 +135,8 @@ __all__ = [
     "InternalInvariantError",
     "KVCacheManager",
     "KVLayout",
+    "KV_CACHE_DTYPES",
+    "cache_layout",
     "KvTierError",
     "LRUPolicy",
     "Namespace",
@@ -175,6 +177,11 @@ __all__ = [
 #: Re-exports that import torch (and transformers, fastapi) when first used.
 _LAZY = {
     "KVBlockStorage": "kvtier.storage",
+    "QuantizedKVBlockStorage": "kvtier.storage",
+    "CastKVBlockStorage": "kvtier.storage",
+    "make_storage": "kvtier.storage",
+    "DeviceStore": "kvtier.offload.device_tier",
+    "CompressionResult": "kvtier.offload.chain",
     "KvTierCache": "kvtier.engine",
     "Engine": "kvtier.engine",
     "EngineWorker": "kvtier.engine",

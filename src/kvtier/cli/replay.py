@@ -8,10 +8,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
+from kvtier.cli.args import arg, parse_memory_size
 from kvtier.errors import ConfigError
+from kvtier.layout import KV_CACHE_DTYPES
 from kvtier.policy import available_policies, make_policy
+
+if TYPE_CHECKING:
+    from kvtier.replay.capacity import Capacity
 
 _REPLAY_EPILOG = """\
 trace formats (JSONL, one request per line; the first line decides; .gz is read too):
@@ -31,6 +36,9 @@ capacity (one or more; blocks, tokens or a share of the trace's unique blocks):
   65536t, 64kt tokens, rounded down to whole blocks
   5%, 0.5%     percent of the distinct block keys in the trace
   default: 1% 5% 10%
+  --kv-cache-memory SIZE...   as KV memory: the blocks of --kv-model's geometry (at the
+               trace's block size) that fit, for each --kv-cache-dtype, e.g.
+               --kv-cache-memory 110GiB --kv-cache-dtype auto bfloat16 int8
 
 models:
   prefix  (default) each request is allocated and freed on a real KVCacheManager
@@ -175,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
 
     _trace_swallowed(args)
     policies = _policy_names(args.policy)
-    capacities = [parse_capacity(c) for c in (args.capacity or ["1%", "5%", "10%"])]
+    default = [] if args.kv_cache_memory else ["1%", "5%", "10%"]
+    capacities = [parse_capacity(c) for c in (args.capacity or default)]
     if args.window < 1:
         raise ConfigError(f"--window must be at least 1, got {args.window}")
     if args.model == "block" and args.window != 1:
@@ -186,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     load_seconds = time.perf_counter() - started
+    sized: list[Capacity] = []
+    if args.kv_cache_memory:
+        sized = memory_capacities(
+            args.kv_cache_memory, args.kv_cache_dtype or ["auto"], args.kv_model, trace.block_size
+        )
+        capacities += sized
     points = resolve_capacities(trace, capacities)
     bar = ProgressBar(
         len(policies) * len(points) * len(trace.requests), enabled=want_progress(args.progress)
@@ -217,10 +232,47 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
     else:
+        for cap in sized:
+            print(f"KV memory {cap.text}: {int(cap.value)} blocks of {trace.block_size} tokens")
         print(format_table(report))
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def memory_capacities(
+    sizes: Sequence[int], dtypes: Sequence[str], model: str | None, block_size: int
+) -> list[Capacity]:
+    """Capacities in blocks: what ``sizes`` bytes of KV memory hold in each dtype.
+
+    Blocks take ``model``'s KV geometry (the bundled SmolLM2 by default) at
+    ``block_size`` tokens; ``auto`` is float32, the engine's default.
+    """
+    from kvtier.engine.model import probe_model
+    from kvtier.layout import cache_layout
+    from kvtier.replay.capacity import Capacity
+
+    info = probe_model(model)
+    base = info.layout(block_size, "float32")
+    out: list[Capacity] = []
+    for size in sizes:
+        for dtype in dtypes:
+            layout = cache_layout(base, dtype)
+            blocks = size // layout.bytes_per_block
+            if blocks < 1:
+                raise ConfigError(
+                    f"--kv-cache-memory {size:,} bytes hold no {dtype} block of {block_size} "
+                    f"tokens of {info.model_id} ({layout.bytes_per_block:,} bytes): give more"
+                )
+            out.append(Capacity(f"{_size_text(size)} {dtype}", "blocks", blocks))
+    return out
+
+
+def _size_text(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -255,6 +307,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="C",
         help="cache sizes: blocks (2048), tokens (64kt) or %% of unique blocks (5%%); "
         "default 1%% 5%% 10%%",
+    )
+    replay.add_argument(
+        "--kv-cache-memory",
+        nargs="+",
+        action="extend",
+        type=arg(parse_memory_size, "memory size"),
+        metavar="SIZE",
+        help="capacities as KV memory (110GiB, 512MiB): the blocks --kv-model's KV geometry "
+        "fits in it at the trace's block size, for each --kv-cache-dtype",
+    )
+    replay.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        action="extend",
+        choices=tuple(KV_CACHE_DTYPES),
+        metavar="DTYPE",
+        help=f"block dtypes for --kv-cache-memory: {', '.join(KV_CACHE_DTYPES)} "
+        "(auto: float32; default auto)",
+    )
+    replay.add_argument(
+        "--kv-model",
+        metavar="PATH",
+        help="model whose KV geometry sizes --kv-cache-memory (a HF directory or .gguf; "
+        "default: the bundled SmolLM2-135M-Instruct)",
     )
     replay.add_argument(
         "--model",

@@ -34,6 +34,7 @@ from kvtier.cli.args import (
     thresholds,
 )
 from kvtier.errors import ConfigError
+from kvtier.layout import KV_CACHE_DTYPES
 from kvtier.policy import available_policies
 from kvtier.pressure.detect import MONITOR_NAMES
 
@@ -54,6 +55,9 @@ requests sharing a prefix reuse them. Nothing is ever downloaded: --model is
 a local Hugging Face model directory or a .gguf file.
 
 tiers (--tier, repeatable, fastest first; URL settings: size, codec, policy, write):
+  device:1GiB                                compressed blocks (int8, or ?codec=fp8) in the
+                                             device's own memory, beside --kv-cache-memory:
+                                             evicted blocks are encoded there, hits decoded
   host:4GiB                                  host memory (pinned when CUDA is present)
   disk:/var/cache/kvtier?size=100GiB&codec=int8   files that survive restarts
   redis://10.0.0.5:6379/0?size=16GiB         shared by every engine on that Redis
@@ -75,6 +79,8 @@ examples:
   kvtier serve
   kvtier serve --port 9000 --kv-cache-memory 1GiB --policy arc
   kvtier serve --tier host:2GiB --tier redis://127.0.0.1:6379/0
+  kvtier serve --kv-cache-dtype int8 --kv-cache-memory 256MiB
+  kvtier serve --tier device:256MiB --tier host:2GiB
   kvtier serve --model ./Qwen2.5-0.5B-Instruct --served-model-name qwen --dtype bfloat16
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -112,14 +118,14 @@ def _tier_specs(args: argparse.Namespace) -> list[Any]:
             )
         )
     # The built-in media's speed order; other media stay where they were given.
-    order = {"host": 0, "disk": 1, "redis": 2, "redis+cluster": 2}
+    order = {"device": 0, "host": 1, "disk": 2, "redis": 3, "redis+cluster": 3}
     media = [s.medium for s in specs]
     if len(set(media)) != len(media):
         raise ConfigError(f"each medium may be given once; got tiers {', '.join(media)}")
     known = [m for m in media if m in order]
     if known != sorted(known, key=order.__getitem__):
         raise ConfigError(
-            f"tiers must go fastest first (host, disk, redis); got {', '.join(media)}"
+            f"tiers must go fastest first (device, host, disk, redis); got {', '.join(media)}"
         )
     return specs
 
@@ -160,6 +166,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             num_blocks=args.num_blocks,
             policy=args.policy,
             prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -306,9 +313,11 @@ def preflight(config: Any) -> tuple[Any, list[str]]:
     info = probe_model(config.model, model_id=config.model_id)
     layout = info.layout(config.cache.block_size, config.dtype)
     plan = config.plan(layout, info.max_positions)
+    stored = plan.layout
     print(
-        f"kvtier: {info.model_id}: {plan.num_blocks} KV blocks of {layout.block_size} tokens "
-        f"({plan.num_blocks * layout.bytes_per_block / 2**20:.0f} MiB), context "
+        f"kvtier: {info.model_id}: {plan.num_blocks} KV blocks of {stored.block_size} tokens "
+        f"({plan.num_blocks * stored.bytes_per_block / 2**20:.0f} MiB, "
+        f"{stored.dtype}{' with per-head scales' if stored.scaled else ''}), context "
         f"{plan.max_model_len} tokens",
         flush=True,
     )
@@ -465,6 +474,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="memory for KV blocks: 512MiB, 1GiB, 1.5G, 800MB, or bytes (default 512MiB)",
     )
     serve.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_CACHE_DTYPES),
+        default="auto",
+        help="how KV blocks are stored: auto (the model's --dtype), float32, bfloat16, "
+        "float16, or quantized with per-head scales: int8, fp8_e4m3 (dequantized as "
+        "attention reads them). Narrower blocks fit more of them in --kv-cache-memory: "
+        "int8 holds about 4x the float32 blocks (default auto)",
+    )
+    serve.add_argument(
         "--num-blocks",
         type=arg(positive_int, "block count"),
         metavar="N",
@@ -584,15 +602,17 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
 def _add_tiers(serve: argparse.ArgumentParser) -> None:
     tiers = serve.add_argument_group(
         "offload tiers",
-        "Blocks below the device: host memory, disk, Redis (see 'tiers' below). --tier takes "
+        "Blocks below the device pool: compressed in device memory, host memory, disk, Redis "
+        "(see 'tiers' below). --tier takes "
         "URLs; the --host-tier, --disk-tier and --redis-url flags are older spellings of it.",
     )
     tiers.add_argument(
         "--tier",
         action="append",
         metavar="URL",
-        help="a tier as a URL, fastest first: host:4GiB, disk:DIR?size=100GiB&codec=int8, "
-        "redis://HOST:6379/0, redis+cluster://HOST:7000,... (repeatable)",
+        help="a tier as a URL, fastest first: device:1GiB (compressed, in device memory), "
+        "host:4GiB, disk:DIR?size=100GiB&codec=int8, redis://HOST:6379/0, "
+        "redis+cluster://HOST:7000,... (repeatable)",
     )
     codecs = ("raw", "int8", "fp8")
     tiers.add_argument(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
-from kvtier.layout import KVLayout
+from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
 from kvtier.offload.config import TierSpec
 from kvtier.pressure.config import PressureSpec
 
@@ -25,7 +25,7 @@ _MIN_COMPLETION = 1
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The device KV cache: block size, how many blocks, the eviction policy."""
+    """The device KV cache: block size, how many blocks, the eviction policy, the dtype."""
 
     block_size: int = 16
     #: Memory for KV blocks; ``num_blocks`` overrides it when set.
@@ -33,12 +33,20 @@ class CacheConfig:
     num_blocks: int | None = None
     policy: str = "lru"
     prefix_caching: bool = True
+    #: How blocks are stored: ``auto`` (the model's dtype), ``float32``, ``bfloat16``,
+    #: ``float16``, or quantized with per-head scales: ``int8``, ``fp8_e4m3``.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -156,9 +164,14 @@ class EngineConfig:
         object.__setattr__(self, "tiers", tuple(self.tiers))
 
     def plan(self, layout: KVLayout, model_positions: int) -> CachePlan:
-        """The cache sizes this configuration gives a model of ``layout``; ConfigError if none."""
+        """The cache sizes this configuration gives a model of ``layout``; ConfigError if none.
+
+        ``layout`` is the model's (its dtype); the plan's is the one blocks are
+        stored in (``cache.kv_cache_dtype``).
+        """
+        stored = cache_layout(layout, self.cache.kv_cache_dtype)
         plan = plan_cache(
-            layout,
+            stored,
             model_positions,
             num_blocks=self.cache.num_blocks,
             kv_cache_bytes=self.cache.kv_cache_bytes,
@@ -167,8 +180,16 @@ class EngineConfig:
         from kvtier.storage.device import torch_dtype
 
         for spec in self.tiers:
-            spec.capacity_blocks(layout_block_shape(layout), torch_dtype(layout.dtype))
+            spec.capacity_blocks(
+                layout_block_shape(layout), torch_dtype(block_dtype(layout, stored))
+            )
         return plan
+
+
+def block_dtype(model: KVLayout, stored: KVLayout) -> str:
+    """The dtype a block has as a tensor (what tiers store raw): the stored
+    float dtype, or the model's for quantized blocks (they decode to it)."""
+    return model.dtype if stored.scaled else stored.dtype
 
 
 def layout_block_shape(layout: KVLayout) -> tuple[int, int, int, int, int]:

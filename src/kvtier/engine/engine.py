@@ -71,15 +71,17 @@ from kvtier.errors import (
     ConfigError,
     KvTierError,
     OutOfBlocksError,
+    UnknownRequestError,
 )
 from kvtier.keys import Namespace
+from kvtier.layout import cache_layout
 from kvtier.manager import KVCacheManager
-from kvtier.offload.chain import Tier, TierChain
+from kvtier.offload.chain import CompressionResult, Tier, TierChain
 from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
 from kvtier.pressure.config import PressureSpec
 from kvtier.pressure.controller import PressureController
-from kvtier.storage import KVBlockStorage
+from kvtier.storage import make_storage
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ __all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check
 
 #: Tokens one step computes at most, by default: a few prompt chunks next to the decodes.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: Finished requests whose block keys :meth:`Engine.compress_request` can still find.
+FINISHED_REQUESTS_REMEMBERED = 256
 
 
 class Engine:
@@ -98,7 +102,11 @@ class Engine:
     (decodes first; prompts are chunked into the rest). ``prefix_caching``
     off keeps every request's blocks private and drops them when it ends.
     ``sampling_defaults`` (``temperature``, ``top_p``) are what a server
-    applies to requests that leave them out.
+    applies to requests that leave them out. ``kv_cache_dtype`` stores the
+    blocks narrower than the model computes: ``bfloat16``/``float16``, or
+    ``int8``/``fp8_e4m3`` with per-head scales (quantized as they are
+    written, dequantized as attention reads them); the same
+    ``kv_cache_bytes`` then holds proportionally more blocks.
     """
 
     def __init__(
@@ -120,6 +128,7 @@ class Engine:
         write_mode: str | None = None,
         pressure: PressureSpec | PressureController | None = None,
         kv_events: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -138,7 +147,12 @@ class Engine:
         self.model_id = model_id
         param = next(model.parameters())
         self.device = param.device
-        self.layout = layout_for_model(model.config, block_size, param.dtype)
+        #: The model's KV geometry and dtype.
+        self.model_layout = layout_for_model(model.config, block_size, param.dtype)
+        #: What a device block holds (``kv_cache_dtype`` applied): it sizes the pool
+        #: and names the block keys' namespace.
+        self.layout = cache_layout(self.model_layout, kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
         plan = plan_cache(
             self.layout,
@@ -152,7 +166,7 @@ class Engine:
         if getattr(tokenizer, "chat_template", None) is not None:
             check_min_request(plan, len(self.encode_chat([{"role": "user", "content": ""}])))
         install(model)
-        self.storage = KVBlockStorage(self.layout, num_blocks, self.device)
+        self.storage = make_storage(self.layout, num_blocks, self.device, compute_dtype=param.dtype)
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
@@ -161,7 +175,9 @@ class Engine:
         )
         #: The tiers below the device (``None`` without tiers).
         built = [
-            t.build(self.storage.block_shape, self.storage.dtype) if isinstance(t, TierSpec) else t
+            t.build(self.storage.block_shape, self.storage.dtype, device=self.device)
+            if isinstance(t, TierSpec)
+            else t
             for t in tiers
         ]
         self.tiers: TierChain | None = (
@@ -200,6 +216,11 @@ class Engine:
         self._unready: collections.Counter[int] = collections.Counter()
         self._ids = itertools.count()
         self._order = itertools.count()
+        #: Block keys of recently finished requests (request id -> one chain per
+        #: choice), so :meth:`compress_request` can find their cached blocks.
+        self._finished_keys: collections.OrderedDict[str, list[list[int]]] = (
+            collections.OrderedDict()
+        )
         #: Forward passes run, and tokens they computed (for the batch-size metrics).
         self.steps = 0
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
@@ -207,7 +228,7 @@ class Engine:
         #: The configuration this engine runs with, as data.
         self.config = EngineConfig(
             model_id=model_id,
-            dtype=self.layout.dtype,
+            dtype=self.model_layout.dtype,
             device=str(self.device),
             cache=CacheConfig(
                 block_size=block_size,
@@ -215,6 +236,7 @@ class Engine:
                 num_blocks=num_blocks,
                 policy=policy_name,
                 prefix_caching=prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -245,6 +267,7 @@ class Engine:
             "kv_cache_bytes": config.cache.kv_cache_bytes,
             "policy": config.cache.policy,
             "prefix_caching": config.cache.prefix_caching,
+            "kv_cache_dtype": config.cache.kv_cache_dtype,
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "max_model_len": config.scheduler.max_model_len,
@@ -276,11 +299,12 @@ class Engine:
         """What this engine runs with, one line per part (the server's startup banner)."""
         layout = self.layout
         stats = self.manager.stats()
+        stored = layout.dtype + (" with per-head scales" if layout.scaled else "")
         lines = [
             f"model {self.model_id}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads "
-            f"of {layout.head_dim}, {layout.dtype} on {self.device}",
+            f"of {layout.head_dim}, {self.model_layout.dtype} on {self.device}",
             f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
-            f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB), policy "
+            f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB, {stored}), policy "
             f"{stats.policy}, prefix caching {'on' if self.prefix_caching else 'off'}",
             f"scheduler: up to {self.max_num_seqs} requests at once in one batch of at most "
             f"{self.max_num_batched_tokens} tokens a step, max_model_len {self.max_model_len}",
@@ -457,6 +481,54 @@ class Engine:
             self._publish_events()
             self.events.close()
 
+    def compress_request(self, request_id: str, fraction: float = 1.0) -> CompressionResult:
+        """Move a finished or waiting request's cached blocks into the device tier now.
+
+        The request's blocks cached in the pool and held by no running
+        request (the last ``fraction`` of them, leaves first) are encoded into
+        the compressed device tier (``--tier device:SIZE``) and their pool
+        blocks freed; a later prefix hit decodes them back. Finished requests
+        are remembered for this by id (the last
+        :data:`FINISHED_REQUESTS_REMEMBERED`); a running request cannot be
+        compressed. Returns what moved.
+        """
+        if self.tiers is None or self.tiers.device_tier() is None:
+            raise ConfigError(
+                "compressing a request's blocks needs a compressed device tier: "
+                "add --tier device:SIZE (TierSpec('device', size, codec='int8'))"
+            )
+        seqs = self._by_id.get(request_id)
+        if seqs:
+            if any(s in self._running for s in seqs):
+                raise BadRequestError(
+                    f"request {request_id!r} is running: compress it once it has finished "
+                    "or while it waits"
+                )
+            chains = [self.manager.hasher.chain(s.tokens) for s in seqs]
+        else:
+            found = self._finished_keys.get(request_id)
+            if found is None:
+                raise UnknownRequestError(
+                    f"request {request_id!r} is neither in the engine nor among the "
+                    f"{FINISHED_REQUESTS_REMEMBERED} most recently finished"
+                )
+            chains = found
+        total = CompressionResult(0, 0, 0, 0.0)
+        for keys in chains:
+            total = total + self.tiers.compress(keys, fraction)
+        return total
+
+    def _remember_keys(self, seq: Seq) -> None:
+        """Keep a finishing sequence's block keys for :meth:`compress_request`."""
+        if not self.prefix_caching or seq.table is None:
+            return
+        keys = self.manager.block_keys(seq.seq_id)
+        chains = self._finished_keys.setdefault(seq.request_id, [])
+        self._finished_keys.move_to_end(seq.request_id)
+        chains.append(keys)
+        while len(self._finished_keys) > FINISHED_REQUESTS_REMEMBERED:
+            self._finished_keys.popitem(last=False)
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -495,10 +567,13 @@ class Engine:
             log.exception("publishing KV events failed")
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs (other queued requests run too)."""
-        rid = self.add_request(prompt_ids, params)
+        rid = self.add_request(prompt_ids, params, request_id)
         left = (params or SamplingParams()).n
         while True:
             for out in self.step():
@@ -939,6 +1014,7 @@ class Engine:
                 seq.table = None
                 self._mark_unready(seq)
             else:
+                self._remember_keys(seq)
                 self._release(seq, keep=self.prefix_caching)
         if seq in self._running:
             self._running.remove(seq)

@@ -212,8 +212,10 @@ class Sampler:
             if p.top_p < 1.0:
                 sorted_probs, order = torch.sort(probs, descending=True)
                 cum = torch.cumsum(sorted_probs, dim=-1)
-                # Keep every token up to and including the one that reaches top_p.
+                # Keep every token up to and including the one that reaches top_p;
+                # the first always (a top_p that rounds to 0 in float32 would keep none).
                 keep = (cum - sorted_probs) < p.top_p
+                keep[0] = True
                 sorted_probs = sorted_probs * keep
                 choice = torch.multinomial(sorted_probs.cpu(), 1, generator=self._gen)
                 token = int(order[int(choice)])

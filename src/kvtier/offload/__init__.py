@@ -6,8 +6,9 @@
 * :mod:`~kvtier.offload.media`: the medium protocol (items of any shape,
   declared capabilities); :mod:`~kvtier.offload.registry`: media by name
   (``register_medium``); :mod:`~kvtier.offload.host`,
-  :mod:`~kvtier.offload.disk`, :mod:`~kvtier.offload.redis_store`: the
-  built-in media;
+  :mod:`~kvtier.offload.disk`, :mod:`~kvtier.offload.redis_store`,
+  :mod:`~kvtier.offload.device_tier` (compressed blocks in device memory, a
+  tier above host memory): the built-in media;
 * :mod:`~kvtier.offload.transfer`: background, batched transfers;
 * :mod:`~kvtier.offload.chain`: the tier chain that promotes blocks on a hit
   and demotes them on eviction, and swaps whole requests out and in.
@@ -33,6 +34,8 @@ _LAZY = {
     "SwappedRequest": "kvtier.offload.chain",
     "TierSpec": "kvtier.offload.config",
     "HostStore": "kvtier.offload.host",
+    "DeviceStore": "kvtier.offload.device_tier",
+    "CompressionResult": "kvtier.offload.chain",
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",

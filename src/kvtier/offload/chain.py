@@ -27,6 +27,13 @@
 * **Swap**: :meth:`swap_out` stores a paused request's blocks, its partial
   last block included, on the first tier and frees them on the device;
   :meth:`swap_in` brings them back.
+* **Compress**: a device tier (:class:`~kvtier.offload.device_tier.DeviceStore`,
+  first in the chain) holds evicted blocks int8- or fp8-encoded in device
+  memory; :meth:`compress` moves a request's cached blocks there at once.
+* **Quantized pools**: when the device pool itself holds int8 or fp8 blocks
+  (:class:`~kvtier.storage.QuantizedKVBlockStorage`), a tier of the same codec
+  receives and returns them as they are, without a decode and re-encode;
+  other codecs decode them to the model's dtype first.
 
 Tier failures never reach the caller: an unreachable Redis is counted, its
 tier is skipped, and it is used again once it answers. Each such condition
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +61,7 @@ import torch
 import xxhash
 
 from kvtier.errors import (
+    BadRequestError,
     ConfigError,
     CorruptBlockError,
     KvTierError,
@@ -61,11 +70,12 @@ from kvtier.errors import (
 from kvtier.manager import KVCacheManager
 from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload.codec import Codec, RawCodec, make_codec, verify
+from kvtier.offload.device_tier import DeviceStore
 from kvtier.offload.manager import OffloadingEvent, OffloadingManager
 from kvtier.offload.media import BlockStore, ItemFormat, PutItem, Stored
 from kvtier.offload.transfer import TransferEngine, TransferResult
 from kvtier.policy.base import EvictionPolicy
-from kvtier.storage import KVBlockStorage
+from kvtier.storage import KVBlockStorage, QuantizedKVBlockStorage
 
 log = logging.getLogger("kvtier.offload")
 
@@ -93,6 +103,12 @@ class TierCounters:
     adopted_blocks: int = 0
     #: Keys the bookkeeping held that reconciliation found missing from the medium.
     reconciled_blocks: int = 0
+    #: Seconds spent encoding blocks for this tier, and decoding them back (int8/fp8
+    #: codecs; raw payloads are copies and count in neither).
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: Calls of :meth:`TierChain.compress` that moved blocks here.
+    compressed_requests: int = 0
 
 
 class Tier:
@@ -164,6 +180,32 @@ class SwappedRequest:
     tail_key: int | None
     #: The tier the tail went to (index into the chain's tiers).
     tail_tier: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionResult:
+    """What :meth:`TierChain.compress` moved off the device pool."""
+
+    #: Blocks moved to the tier (and freed on the device).
+    blocks: int
+    #: Bytes they held in the device pool, and bytes they take on the tier.
+    device_bytes: int
+    stored_bytes: int
+    #: Wall time of the move (encoding included).
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """Device bytes per stored byte (0 when nothing moved)."""
+        return self.device_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+    def __add__(self, other: CompressionResult) -> CompressionResult:
+        return CompressionResult(
+            self.blocks + other.blocks,
+            self.device_bytes + other.device_bytes,
+            self.stored_bytes + other.stored_bytes,
+            self.seconds + other.seconds,
+        )
 
 
 @dataclass
@@ -408,9 +450,10 @@ class TierChain:
         fmt = tier.fmt
         assert fmt is not None
         storage = self.storage
+        native = storage.codec
         # Block-contiguous storage takes each verified block with one copy;
         # the block ids come from the manager, so import_blocks' checks are moot.
-        direct = storage.tensor if storage.layout_kind == "block" else None
+        direct = storage.tensor if storage.layout_kind == "block" and native is None else None
         n = 0
         bad: list[int] = []
         for key, block, got in zip(b.keys, b.blocks, b.stored, strict=True):
@@ -421,7 +464,12 @@ class TierChain:
             header, payload = got
             try:
                 codec = verify(header, payload, key, fmt.shape, fmt.dtype)
-                tensor = codec.decode(payload, fmt.shape, fmt.dtype)
+                started = time.perf_counter()
+                # The pool's own format is imported as it is; anything else is
+                # decoded (and, into a quantized pool, quantized again).
+                as_is = native is not None and codec.codec_id == native.codec_id
+                tensor = payload if as_is else codec.decode(payload, fmt.shape, fmt.dtype)
+                recoded = not as_is and (codec.codec_id != RawCodec.codec_id or native is not None)
             except CorruptBlockError as exc:
                 c.corrupt_blocks += 1
                 self._bursts.event(
@@ -436,6 +484,8 @@ class TierChain:
                 direct[block].copy_(tensor)
             else:
                 storage.load_block(block, tensor)
+            if recoded:
+                c.decode_seconds += time.perf_counter() - started
             n += 1
             c.loaded_blocks += 1
             c.loaded_bytes += int(payload.numel())
@@ -504,14 +554,26 @@ class TierChain:
         self._store_payloads(t, keys, payloads, cascade=cascade)
 
     def _encode_device(self, t: int, blocks: list[int]) -> list[torch.Tensor]:
-        codec = self.tiers[t].codec
+        tier = self.tiers[t]
+        codec = tier.codec
         storage = self.storage
-        if storage.layout_kind == "block":
+        started = time.perf_counter()
+        if isinstance(storage, QuantizedKVBlockStorage):
+            if codec.codec_id == storage.codec.codec_id:
+                # The pool already holds this codec's payloads: no decode, no re-encode.
+                return list(storage.export_payloads(blocks))
+            exported = storage.export_blocks(blocks)
+            out = [codec.encode(exported[i]) for i in range(len(blocks))]
+        elif storage.layout_kind == "block":
             # Views of the device blocks: the host tier copies straight from them.
             data = storage.tensor
-            return [codec.encode(data[b]) for b in blocks]
-        exported = storage.export_blocks(blocks)
-        return [codec.encode(exported[i]) for i in range(len(blocks))]
+            out = [codec.encode(data[b]) for b in blocks]
+        else:
+            exported = storage.export_blocks(blocks)
+            out = [codec.encode(exported[i]) for i in range(len(blocks))]
+        if codec.codec_id != RawCodec.codec_id or storage.codec is not None:
+            tier.counters.encode_seconds += time.perf_counter() - started
+        return out
 
     def _store_payloads(
         self, t: int, keys: list[int], payloads: list[torch.Tensor], *, cascade: bool = True
@@ -603,8 +665,10 @@ class TierChain:
             if below.codec.codec_id == tier.codec.codec_id:
                 down.append(payload.clone())
             else:
+                started = time.perf_counter()
                 block = tier.codec.decode(payload, fmt.shape, fmt.dtype)
                 down.append(below.codec.encode(block).clone())
+                below.counters.encode_seconds += time.perf_counter() - started
             down_keys.append(key)
         if down_keys:
             self._store_payloads(t + 1, down_keys, down)
@@ -847,6 +911,85 @@ class TierChain:
             return False
         return bool(present and present[0]) and bool(tier.manager.adopt([key]))
 
+    # -- compress ----------------------------------------------------------------------------
+    def device_tier(self) -> int | None:
+        """The index of the compressed device tier, if the chain has one."""
+        for t, tier in enumerate(self.tiers):
+            if isinstance(tier.store, DeviceStore):
+                return t
+        return None
+
+    def compress(
+        self, keys: Sequence[int], fraction: float = 1.0, *, tier: int | None = None
+    ) -> CompressionResult:
+        """Move the device-cached blocks of a prefix chain to a tier now, freeing them.
+
+        ``keys`` are a request's block keys in order (``block_keys``, or the
+        keys of a finished request's tokens). Of its blocks cached on the
+        device, the last ``fraction`` (rounded up) move, leaves first, with
+        every cached block descending from them; blocks a running request
+        holds stay. They go to the device tier (``tier``: another index), and
+        a later hit decodes them back. Blocks the tier cannot take stay on
+        the device. Returns what moved.
+        """
+        if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise BadRequestError(f"fraction must be in (0, 1], got {fraction!r}")
+        t = self.device_tier() if tier is None else tier
+        if t is None:
+            raise ConfigError(
+                "compress needs a compressed device tier: add one with --tier device:SIZE "
+                "(TierSpec('device', size, codec='int8')), or name a tier"
+            )
+        if not 0 <= t < len(self.tiers):
+            raise BadRequestError(f"tier {t} does not exist: the chain has {len(self.tiers)}")
+        started = time.perf_counter()
+        with self._lock:
+            self._poll_locked()
+            pool = self.manager.pool
+            chain = pool.lookup(keys)
+            # Held blocks are a prefix of the chain (a request holds all of its
+            # blocks' parents), so the free ones are its tail.
+            first = len(chain)
+            while first > 0 and not pool.ref[chain[first - 1]]:
+                first -= 1
+            want = len(chain) - math.ceil(len(chain) * fraction - 1e-9)
+            first = max(first, want)
+            if first >= len(chain):
+                return CompressionResult(0, 0, 0, time.perf_counter() - started)
+            # The moved blocks and every cached descendant, parents first.
+            order: list[int] = []
+            stack = [chain[first]]
+            while stack:
+                b = stack.pop()
+                order.append(b)
+                stack.extend(pool.children_of(b))
+            order.reverse()  # children first, as demotions are ordered
+            move_keys: list[int] = []
+            for b in order:
+                key = pool.block_key[b]
+                assert key is not None
+                move_keys.append(key)
+            self._store_blocks(t, move_keys, order, cascade=True)
+            held = self.tiers[t].manager
+            # Withdraw only whole subtrees the tier took: a block leaves with its descendants.
+            gone: set[int] = set()
+            for b, key in zip(order, move_keys, strict=True):
+                if key in held and all(c in gone for c in pool.children_of(b)):
+                    gone.add(b)
+            leaving = [b for b in reversed(order) if b in gone]  # parents first
+            pool.withdraw(leaving)  # a withdrawal is never announced to evict listeners
+            target = self.tiers[t]
+            assert target.fmt is not None
+            if leaving:
+                target.counters.compressed_requests += 1
+            n = len(leaving)
+            return CompressionResult(
+                n,
+                n * self.storage.bytes_per_block,
+                n * target.fmt.payload_size,
+                time.perf_counter() - started,
+            )
+
     # -- stats, events, shutdown -------------------------------------------------------------
     def take_events(self) -> list[OffloadingEvent]:
         with self._lock:
@@ -859,11 +1002,16 @@ class TierChain:
         """Per tier: occupancy and counters."""
         with self._lock:
             out: dict[str, dict[str, float]] = {}
+            device_bytes = self.storage.bytes_per_block
             for tier in self.tiers:
                 d: dict[str, float] = dict(vars(tier.counters))
                 d["capacity_blocks"] = tier.capacity
                 d["used_blocks"] = len(tier.manager)
                 d["evictions"] = tier.manager.evictions
+                # Against the pool's own block size: what the codec saves.
+                stored = tier.fmt.payload_size if tier.fmt is not None else device_bytes
+                d["compression_ratio"] = device_bytes / stored
+                d["bytes_saved"] = len(tier.manager) * (device_bytes - stored)
                 out[tier.name] = d
             return out
 

@@ -58,7 +58,9 @@ def payload_checksum(key: int, payload: memoryview | bytes) -> int:
 
 
 def as_buffer(payload: torch.Tensor) -> memoryview:
-    """A CPU uint8 tensor's bytes as a memoryview, without a copy."""
+    """A uint8 tensor's bytes as a memoryview: without a copy on the CPU, copied from a GPU."""
+    if payload.device.type != "cpu":
+        payload = payload.cpu()
     return memoryview(payload.numpy()).cast("B")  # type: ignore[arg-type]
 
 
@@ -160,7 +162,7 @@ class RawCodec:
         return payload.view(dtype).view(shape)
 
 
-class _ScaledCodec:
+class ScaledCodec:
     """Per-(layer, K/V, head) scaled quantization; subclasses pick the element type."""
 
     name: ClassVar[str] = "scaled"
@@ -172,7 +174,8 @@ class _ScaledCodec:
         layers, two, _, heads, _ = shape
         return _numel(shape) + 4 * layers * two * heads
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Float values already divided by their scale, as ``qdtype`` (rounded, clamped)."""
         raise NotImplementedError
 
     def encode(self, block: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,7 @@ class _ScaledCodec:
         # amax over the block's tokens (dim 2) and head_dim (dim 4): one scale per head.
         amax = x.abs().amax(dim=(2, 4), keepdim=True)
         scale = (amax / self.qmax).clamp_min(torch.finfo(torch.float32).tiny)
-        q = self._quantize(x / scale).view(torch.uint8).reshape(-1)
+        q = self.quantize(x / scale).view(torch.uint8).reshape(-1)
         s = scale.reshape(-1).to(torch.float32).view(torch.uint8)
         return torch.cat((q, s))
 
@@ -199,7 +202,7 @@ class _ScaledCodec:
         return (q.to(torch.float32) * scale).to(dtype)
 
 
-class Int8Codec(_ScaledCodec):
+class Int8Codec(ScaledCodec):
     """Symmetric int8 with per-head scales."""
 
     name: ClassVar[str] = "int8"
@@ -207,11 +210,11 @@ class Int8Codec(_ScaledCodec):
     qdtype: ClassVar[torch.dtype] = torch.int8
     qmax: ClassVar[float] = 127.0
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.round_().clamp_(-127.0, 127.0).to(torch.int8)
 
 
-class Fp8Codec(_ScaledCodec):
+class Fp8Codec(ScaledCodec):
     """float8 e4m3 with per-head scales."""
 
     name: ClassVar[str] = "fp8"
@@ -219,7 +222,7 @@ class Fp8Codec(_ScaledCodec):
     qdtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
     qmax: ClassVar[float] = 448.0
 
-    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+    def quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 

@@ -7,6 +7,8 @@ once the block geometry is known (the engine knows it after loading the
 model), sizing the tier in blocks of that codec's stored size. Tiers are
 usually written as URLs (:meth:`TierSpec.from_url`):
 
+* ``device:1GiB`` - compressed (int8 or fp8) blocks in the device's own memory,
+  a tier above host memory (its codec defaults to int8);
 * ``host:4GiB`` - host memory;
 * ``disk:/var/cache/kvtier?size=100GiB&codec=int8`` - a directory;
 * ``redis://10.0.0.5:6379/0`` (``rediss://``, ``unix://``) - a Redis server;
@@ -14,8 +16,8 @@ usually written as URLs (:meth:`TierSpec.from_url`):
 * ``NAME:LOCATION?...`` - any other registered medium; ``module=pkg.mod``
   imports an out-of-tree medium's module first.
 
-Settings after ``?``: ``size`` (bytes with a unit; required for host, 16GiB
-otherwise), ``codec`` (raw, int8, fp8), ``policy`` (any registered policy),
+Settings after ``?``: ``size`` (bytes with a unit; required for host and
+device, 16GiB otherwise), ``codec`` (raw, int8, fp8), ``policy`` (any registered policy),
 ``write`` (``back`` or ``through``) and ``module``; anything else is the
 medium's own option (``fsync`` for disk, ``ttl``, ``prefix`` and
 ``delete_on_evict`` for Redis).
@@ -42,6 +44,10 @@ from kvtier.units import parse_memory_size
 
 _TIER_SETTINGS = frozenset({"size", "codec", "policy", "write", "module"})
 _DEFAULT_SIZE = 16 * 2**30
+#: Media sized by the memory they take rather than a place: ``NAME:SIZE``.
+_SIZED = ("host", "device")
+#: Codecs a device tier may use: it exists to hold blocks smaller than the pool does.
+DEVICE_CODECS = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,11 @@ class TierSpec:
 
         make_policy(self.policy)  # a registered name or an import path
         object.__setattr__(self, "options", tuple((str(k), str(v)) for k, v in self.options))
+        if self.medium == "device" and self.codec not in DEVICE_CODECS:
+            raise ConfigError(
+                f"the device tier holds compressed blocks: give it codec "
+                f"{' or '.join(DEVICE_CODECS)}, not {self.codec!r}"
+            )
 
     @classmethod
     def from_url(cls, url: str, *, policy: str = "lru") -> TierSpec:
@@ -107,11 +118,13 @@ class TierSpec:
                 "or NAME:LOCATION?module=pkg.mod for an out-of-tree medium"
             )
         size = settings.get("size")
-        if medium == "host":
+        if medium in _SIZED:
             if location and size:
-                raise ConfigError(f"tier {url!r}: give the host tier's size once")
+                raise ConfigError(f"tier {url!r}: give the {medium} tier's size once")
             if not location and not size:
-                raise ConfigError(f"tier {url!r}: the host tier needs a size, e.g. host:4GiB")
+                raise ConfigError(
+                    f"tier {url!r}: the {medium} tier needs a size, e.g. {medium}:4GiB"
+                )
             size, location = location or size, ""
         elif medium == "disk" and not location:
             raise ConfigError(
@@ -122,7 +135,7 @@ class TierSpec:
         return cls(
             medium,
             parse_memory_size(size) if size else _DEFAULT_SIZE,
-            settings.get("codec", "raw"),
+            settings.get("codec", "int8" if medium == "device" else "raw"),
             settings.get("policy", policy),
             location=location,
             options=options,
@@ -135,6 +148,8 @@ class TierSpec:
             where = self.location
         elif self.medium == "redis+cluster":
             where = "redis+cluster://" + self.location.removeprefix("redis://")
+        elif self.medium in _SIZED:
+            where = f"{self.medium}:"
         else:
             where = f"{self.medium}:{self.location}"
         parts = [f"size={self.size_bytes}", f"codec={self.codec}", f"policy={self.policy}"]
@@ -162,7 +177,20 @@ class TierSpec:
             )
         return n
 
-    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> Tier:
-        store = make_medium(self.medium, self.location, dict(self.options))
+    def build(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        device: str | torch.device = "cpu",
+    ) -> Tier:
+        """The tier for blocks of ``block_shape`` and ``dtype`` (``device``: the pool's).
+
+        The ``device`` medium lives on the pool's device unless its location names one.
+        """
+        location = self.location
+        if self.medium == "device" and not location:
+            location = str(device)
+        store = make_medium(self.medium, location, dict(self.options))
         cap = self.capacity_blocks(block_shape, dtype)
         return Tier(store, cap, policy=self.policy, codec=self.codec, write_mode=self.write_mode)

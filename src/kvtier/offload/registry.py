@@ -13,7 +13,8 @@ class and its registration line::
 
     register_medium("s3", lambda location, options: S3Store(location, **options))
 
-The built-in media: ``host`` (memory), ``disk`` (a directory),
+The built-in media: ``device`` (compressed blocks in the device's memory),
+``host`` (memory), ``disk`` (a directory),
 ``redis`` (a server: ``redis://``, ``rediss://``, ``unix://``) and
 ``redis+cluster`` (a Redis Cluster).
 """
@@ -134,6 +135,13 @@ def _host(location: str, options: Mapping[str, str]) -> BlockStore:
     return HostStore(pin_memory=None if pin is None else _flag("host", "pin", pin))
 
 
+def _device(location: str, options: Mapping[str, str]) -> BlockStore:
+    from kvtier.offload.device_tier import DeviceStore
+
+    _no_options("device", options)
+    return DeviceStore(location or "cpu")
+
+
 def _disk(location: str, options: Mapping[str, str]) -> BlockStore:
     from kvtier.offload.disk import DiskStore
 
@@ -210,6 +218,7 @@ def _builtins() -> None:
     _loaded = True
     for name, entry in (
         ("host", _Entry(_host, None, ())),
+        ("device", _Entry(_device, None, ())),
         ("disk", _Entry(_disk, _disk_probe, ())),
         (
             "redis",

@@ -489,6 +489,8 @@ def create_app(
                 "head_dim": layout.head_dim,
                 "block_size": layout.block_size,
                 "dtype": layout.dtype,
+                "scaled": layout.scaled,
+                "kv_cache_dtype": engine.kv_cache_dtype,
                 "canonical": layout.canonical(),
                 "bytes_per_token": layout.bytes_per_token,
                 "bytes_per_block": layout.bytes_per_block,

@@ -250,7 +250,32 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[MetricFamily]:
         "failed stores, demotions dropped for lack of room, blocks the medium lost "
         "(found by reconciliation).",
     )
+    codec_time = MetricFamily(
+        "kvtier_tier_codec_seconds_total",
+        "counter",
+        "Seconds spent encoding blocks for a tier (compressing) and decoding them back.",
+    )
+    ratio = MetricFamily(
+        "kvtier_tier_compression_ratio",
+        "gauge",
+        "Bytes of a device pool block per byte a tier stores for it.",
+    )
+    saved = MetricFamily(
+        "kvtier_tier_bytes_saved",
+        "gauge",
+        "Bytes a tier's blocks would take more at the device pool's block size.",
+    )
+    compressed = MetricFamily(
+        "kvtier_tier_compressed_requests_total",
+        "counter",
+        "Requests whose cached blocks were moved to a tier by compress_request.",
+    )
     for name, d in tiers.items():
+        codec_time.add(d["encode_seconds"], tier=name, direction="encode")
+        codec_time.add(d["decode_seconds"], tier=name, direction="decode")
+        ratio.add(d["compression_ratio"], tier=name)
+        saved.add(d["bytes_saved"], tier=name)
+        compressed.add(d["compressed_requests"], tier=name)
         used.add(d["used_blocks"], tier=name)
         cap.add(d["capacity_blocks"], tier=name)
         loaded.add(d["loaded_blocks"], tier=name)
@@ -260,4 +285,6 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[MetricFamily]:
         evicted.add(d["evictions"], tier=name)
         for kind, field_name in _TIER_ERRORS.items():
             errors.add(d[field_name], tier=name, kind=kind)
-    return [used, cap, loaded, stored, nbytes, evicted, errors]
+    return [
+        used, cap, loaded, stored, nbytes, evicted, errors, codec_time, ratio, saved, compressed
+    ]

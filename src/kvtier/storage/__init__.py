@@ -6,6 +6,8 @@ keeps every layer's keys and values for a fixed number of blocks on one
 device, writes a forward pass's K/V at the slots of a block table, reads a
 request's K/V back through its block table, copies blocks for
 copy-on-write, and exports and imports whole blocks for offload tiers.
+:mod:`kvtier.storage.quant` holds blocks in fewer bytes than the model
+computes in: a narrower float dtype, or int8 / float8 with per-head scales.
 
 This package needs PyTorch (the ``torch`` extra); ``import kvtier`` alone
 does not import it.
@@ -29,11 +31,15 @@ from kvtier.storage.device import (
     LayoutKind,
     torch_dtype,
 )
+from kvtier.storage.quant import CastKVBlockStorage, QuantizedKVBlockStorage, make_storage
 
 __all__ = [
     "DEFAULT_LAYOUT_KIND",
     "LAYOUT_KINDS",
+    "CastKVBlockStorage",
     "KVBlockStorage",
     "LayoutKind",
+    "QuantizedKVBlockStorage",
+    "make_storage",
     "torch_dtype",
 ]

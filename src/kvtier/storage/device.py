@@ -32,13 +32,16 @@ with any scatter.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import torch
 
 from kvtier.block_table import BlockTable
 from kvtier.errors import BadRequestError, ConfigError
 from kvtier.layout import KVLayout, cdiv
+
+if TYPE_CHECKING:
+    from kvtier.offload.codec import Codec
 
 LayoutKind: TypeAlias = Literal["block", "layer"]
 LAYOUT_KINDS: tuple[LayoutKind, ...] = ("block", "layer")
@@ -115,7 +118,15 @@ class KVBlockStorage:
     checks that slots and block ids are in range (once per index tensor; on
     CUDA each check synchronizes with the device); out-of-range indices with
     checks off are undefined behaviour on CUDA.
+
+    Subclasses in :mod:`kvtier.storage.quant` keep blocks in fewer bytes than
+    the model computes in (``compute_dtype``: what writes take and reads
+    return); here both dtypes are the same.
     """
+
+    #: The offload codec whose payload a block's raw bytes are (quantized
+    #: storage), or ``None``: the raw bytes of ``dtype`` elements.
+    codec: Codec | None = None
 
     def __init__(
         self,
@@ -163,7 +174,10 @@ class KVBlockStorage:
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = dev
+        #: The dtype of a block as a tensor (exported, imported, stored on raw tiers).
         self.dtype = dtype
+        #: The dtype of the K/V that writes take and reads return.
+        self.compute_dtype = dtype
         self.layout_kind: LayoutKind = layout_kind
         self.validate_indices = validate_indices
         #: Shape of one block's payload, as exported.
@@ -235,7 +249,7 @@ class KVBlockStorage:
 
     def __repr__(self) -> str:
         return (
-            f"KVBlockStorage({self.layout.canonical()}, num_blocks={self.num_blocks}, "
+            f"{type(self).__name__}({self.layout.canonical()}, num_blocks={self.num_blocks}, "
             f"device={self.device}, layout_kind={self.layout_kind!r}, nbytes={self.nbytes:,})"
         )
 
@@ -311,10 +325,10 @@ class KVBlockStorage:
             )
         if n is not None and x.shape[0] != n:
             raise BadRequestError(f"{name} has {x.shape[0]} tokens but k has {n}")
-        if x.dtype != self.dtype:
+        if x.dtype != self.compute_dtype:
             raise BadRequestError(
-                f"{name} has dtype {x.dtype} but the storage holds {self.dtype}: "
-                f"cast it first ({name}.to({self.dtype}))"
+                f"{name} has dtype {x.dtype} but the storage takes {self.compute_dtype}: "
+                f"cast it first ({name}.to({self.compute_dtype}))"
             )
         if x.device != self.device:
             raise BadRequestError(
@@ -333,7 +347,7 @@ class KVBlockStorage:
         """
         if not (type(layer) is int and 0 <= layer < self.layout.num_layers):
             self._check_layer(layer)
-        dt, dev = self.dtype, self.device
+        dt, dev = self.compute_dtype, self.device
         if not (  # one cheap test on the hot path; the checks below say what is wrong
             isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)
@@ -353,10 +367,7 @@ class KVBlockStorage:
             raise BadRequestError(f"slots has {rows.shape[0]} entries but k and v have {n} tokens")
         if n == 0:
             return
-        if self._op_dtype != dt:
-            k, v = k.view(self._op_dtype), v.view(self._op_dtype)
-        self._k_rows[layer].index_copy_(0, rows, k)
-        self._v_rows[layer].index_copy_(0, rows, v)
+        self.write_rows(layer, rows, k, v)
 
     def read(
         self, layer: int, block_ids: Indices | BlockTable, num_tokens: int | None = None
@@ -386,6 +397,12 @@ class KVBlockStorage:
             )
         if ids.shape[0] > needed:
             ids = ids[:needed]
+        return self._read_blocks(layer, ids, num_tokens)
+
+    def _read_blocks(
+        self, layer: int, ids: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`read` of checked block ids: the first ``num_tokens`` tokens of blocks ``ids``."""
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         k = self._k_blocks[layer].index_select(0, ids).view(-1, H, D)[:num_tokens]
         v = self._v_blocks[layer].index_select(0, ids).view(-1, H, D)[:num_tokens]
@@ -453,22 +470,26 @@ class KVBlockStorage:
         is asynchronous (synchronize the stream before reading ``out``).
         """
         ids = self._block_ids(block_ids)
-        shape = (ids.shape[0], *self.block_shape)
         if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise BadRequestError(f"out must be a torch.Tensor, got {type(out).__name__}")
-            if out.shape != shape or out.dtype != self.dtype or not out.is_contiguous():
-                raise BadRequestError(
-                    f"out must be a contiguous {self.dtype} tensor of shape {list(shape)}, "
-                    f"got {out.dtype} {list(out.shape)}"
-                    + ("" if out.is_contiguous() else " (not contiguous)")
-                )
+            self._check_out(out, ids.shape[0])
             if out.device == self.device:
                 self._gather(ids, out.view(self._op_dtype))
                 return out
             out.view(self._op_dtype).copy_(self._gather(ids, None), non_blocking=out.is_pinned())
             return out
         return self._gather(ids, None).view(self.dtype)
+
+    def _check_out(self, out: object, n: int) -> None:
+        """Raise unless ``out`` can receive ``n`` exported blocks."""
+        shape = (n, *self.block_shape)
+        if not isinstance(out, torch.Tensor):
+            raise BadRequestError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.shape != shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise BadRequestError(
+                f"out must be a contiguous {self.dtype} tensor of shape {list(shape)}, "
+                f"got {out.dtype} {list(out.shape)}"
+                + ("" if out.is_contiguous() else " (not contiguous)")
+            )
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Blocks ``ids`` in block-major order (op dtype), into ``out`` when given."""
