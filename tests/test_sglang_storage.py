@@ -26,12 +26,12 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageConfig,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang_pools import mha_host_pool, mla_host_pool  # noqa: E402
 
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.errors import UnsupportedReleaseError  # noqa: E402
 from kvtier.integrations.sglang import require_sglang  # noqa: E402
 from kvtier.integrations.sglang import storage as kst  # noqa: E402
-from sglang_pools import mha_host_pool, mla_host_pool  # noqa: E402
 
 PAGE = 4
 

@@ -22,6 +22,8 @@ need_module("vllm.v1.kv_offload.tiering.spec")
 
 from redis_servers import RedisServer  # noqa: E402
 
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.integrations.vllm import tiering  # noqa: E402
 from kvtier.integrations.vllm.driver import (  # noqa: E402
     MISS,
     RETRY,
@@ -29,8 +31,6 @@ from kvtier.integrations.vllm.driver import (  # noqa: E402
 )
 from kvtier.integrations.vllm.driver import SchedulerDriver as TieringDriver  # noqa: E402
 from kvtier.integrations.vllm.driver import offload_key as K  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations.vllm import tiering  # noqa: E402
 
 CHUNK = 4096
 

@@ -85,7 +85,7 @@ class SyncTierCounters:
 
 
 class SyncTier:
-    """A medium bound to ``namespace`` with ``capacity`` items, their eviction by ``spec.policy``."""
+    """A medium bound to ``namespace`` with ``capacity`` items, evicted by ``spec.policy``."""
 
     def __init__(
         self,

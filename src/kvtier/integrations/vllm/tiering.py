@@ -215,7 +215,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             )
         }
         self.pages = FlatPages.make(
-            int(primary_kv_view.strides[0]), spec.codec, offloading_spec.config.model.dtype
+            int((primary_kv_view.strides or (primary_kv_view.nbytes,))[0]), spec.codec, offloading_spec.config.model.dtype
         )
         self.capacity = spec.size_bytes // self.pages.blob_size
         if self.capacity < 1:
