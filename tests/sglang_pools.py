@@ -9,9 +9,18 @@ metadata the zero-copy storage interface uses.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# SGLang's model configs import torchvision at import time; without it (its PyPI
+# wheels link CUDA) an import-only stand-in lets the pools import (see stubs/).
+if importlib.util.find_spec("torchvision") is None:
+    sys.path.append(str(Path(__file__).with_name("stubs")))
+
 from sglang.srt.mem_cache.device_pool_info import (
     KVBufferLayout,
     KVBuffers,

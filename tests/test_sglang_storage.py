@@ -267,7 +267,11 @@ def test_a_redis_outage_reads_nothing_and_recovers(redis_server: RedisServer, po
     redis_server.stop(kill=True)
     dst = pool.alloc(2 * PAGE)
     assert store.batch_get_v1(keys, dst) == [False, False]
-    assert store.batch_set_v1(keys, src) == [False, False]
+    # Pages it holds still count as held (the outage is no proof they are lost);
+    # new pages are not written.
+    fresh = page_hashes(list(range(100, 100 + 2 * PAGE)))
+    assert store.batch_set_v1(fresh, src) == [False, False]
+    assert store.batch_exists(fresh) == 0
     assert store.tier.counters.unavailable >= 2
     redis_server.start()  # back, empty: what it held is gone
     deadline = time.monotonic() + 15

@@ -7,6 +7,7 @@ the kvtier tier, on real files and a real redis-server.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -365,3 +366,42 @@ def test_a_redis_outage_misses_and_recovers(redis_server: RedisServer) -> None:
         assert d.lookup(d.request(), [K("o0")]) in ([MISS], [RETRY])
     finally:
         d.shutdown()
+
+
+# -- the documented configuration ---------------------------------------------------------------
+
+
+def documented_transfer_config() -> dict[str, Any]:
+    """The ``--kv-transfer-config`` JSON of docs/vllm.md's secondary-tier section."""
+    text = (Path(__file__).parents[1] / "docs" / "vllm.md").read_text()
+    section = text.split("## kvtier media as vLLM 0.33 secondary tiers", 1)[1]
+    command = section.split("```", 2)[1]
+    assert command.strip().startswith("vllm serve")
+    config: dict[str, Any] = json.loads(command.split("--kv-transfer-config '", 1)[1].split("'")[0])
+    return config
+
+
+def test_the_documented_config_builds(tmp_path: Path) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvtier.integrations.vllm.driver import offloading_config
+
+    config = documented_transfer_config()
+    transfer = KVTransferConfig(**config)  # what vLLM's --kv-transfer-config parses into
+    assert transfer.kv_connector == "OffloadingConnector"
+    extra = dict(transfer.kv_connector_extra_config)
+    (entry,) = extra["secondary_tiers"]
+    assert entry["url"].startswith("disk:/var/cache/kvtier?")
+    # The same entry, on a scratch directory and a CPU tier of a few chunks.
+    entry = {**entry, "url": entry["url"].replace("/var/cache/kvtier", str(tmp_path))}
+    extra.update(cpu_bytes_to_use=8 * CHUNK, secondary_tiers=[entry])
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra, CHUNK))
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, tiering.KvtierSecondaryTier)
+        assert tier.spec.policy == "s3fifo" and tier.spec.medium == "disk"
+        assert tier.capacity == (200 << 30) // tier.pages.blob_size
+    finally:
+        manager.shutdown()

@@ -214,9 +214,8 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 "on_new_request", "on_request_finished", "on_schedule_end", "take_events",
             )
         }
-        self.pages = FlatPages.make(
-            int((primary_kv_view.strides or (primary_kv_view.nbytes,))[0]), spec.codec, offloading_spec.config.model.dtype
-        )
+        row_bytes = int((primary_kv_view.strides or (primary_kv_view.nbytes,))[0])
+        self.pages = FlatPages.make(row_bytes, spec.codec, offloading_spec.config.model.dtype)
         self.capacity = spec.size_bytes // self.pages.blob_size
         if self.capacity < 1:
             raise ConfigError(
