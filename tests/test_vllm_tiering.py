@@ -405,3 +405,45 @@ def test_the_documented_config_builds(tmp_path: Path) -> None:
         assert tier.capacity == (200 << 30) // tier.pages.blob_size
     finally:
         manager.shutdown()
+
+
+class _SlowPuts:
+    """A medium wrapper whose writes wait until ``gate`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.gate = threading.Event()
+
+    def put(self, items: Any) -> None:
+        assert self.gate.wait(30), "the test never opened the gate"
+        self._inner.put(items)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_vllms_chunks_are_free_before_the_write_ends(tmp_path: Path) -> None:
+    d = TieringDriver([kvtier_tier(f"disk:{tmp_path}?size=1MiB")], cpu_chunks=4)
+    try:
+        (tier,) = d.tiers
+        slow = _SlowPuts(tier._medium)
+        tier._medium = slow
+        first = chunks(["f0", "f1", "f2", "f3"], seed=11)
+        assert d.store(d.request(), first) == list(first)
+        # The copies are taken; vLLM hears the job is done while the write waits,
+        # so its CPU tier may evict and overwrite those four chunks.
+        deadline = time.monotonic() + 30
+        second = chunks(["g0", "g1", "g2", "g3"], seed=12)
+        while not d.store(d.request(), second):
+            assert time.monotonic() < deadline, "the CPU chunks stayed pinned"
+            d.step()
+            time.sleep(0.01)
+        assert d.lookup(d.request(), [K("f0")]) == [RETRY]  # still being written
+        slow.gate.set()
+        d.settle()
+        d.wipe_cpu_tier()
+        # What was written is what the chunks held when they were copied.
+        assert d.fetch(d.request(), list(first)) == list(first.values())
+    finally:
+        slow.gate.set()
+        d.shutdown()

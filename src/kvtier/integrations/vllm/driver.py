@@ -151,10 +151,11 @@ class SchedulerDriver:
 
     def store(self, ctx: Any, data: dict[Any, bytes | None]) -> list[Any]:
         """GPU -> CPU for ``data`` (key -> chunk bytes, or ``None`` to leave the memory as
-        it is); returns the keys written, ``[]`` when the CPU tier has no room."""
+        it is); returns the keys written, ``[]`` when none needs writing (all held, or
+        no room)."""
         out = self._call("prepare_store", self.m.prepare_store, list(data), ctx)
-        if out is None:
-            return []
+        if out is None or not out.keys_to_store:
+            return []  # as vLLM's connector: nothing to copy, no complete_store
         for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
             value = data[key]
             if value is not None:

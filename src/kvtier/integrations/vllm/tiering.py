@@ -30,8 +30,11 @@ What happens where:
 * every call from vLLM's scheduler does bookkeeping only (a kvtier
   :class:`~kvtier.offload.OffloadingManager` per tier, driven by the policy):
   reads, writes, checksums and deletions run on a :class:`TransferEngine`
-  thread pool, reading and writing vLLM's CPU chunks in place (vLLM pins
-  them while a job runs). ``call_stats`` records the longest call of each kind;
+  thread pool. Loads write vLLM's CPU chunks in place; a store copies its
+  chunks first and reports the job finished at that point, so vLLM's pins on
+  its CPU tier last a memory copy, not a disk or network write (until the
+  write ends the keys look up as RETRY, and a write that fails leaves them
+  out: MISS). ``call_stats`` records the longest call of each kind;
 * chunks are named by vLLM's offload keys (block hash and KV group), hashed
   to kvtier's 128-bit keys, in a namespace made of the fields vLLM's own file
   tier uses (model, dtype, block size, KV groups, parallelism, rank);
@@ -57,7 +60,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import wraps
@@ -241,6 +244,12 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._stores: dict[int, tuple[int, list[int]]] = {}
         self._loads: dict[int, tuple[int, list[OffloadKey], list[tuple[int, int]]]] = {}
         self._finished: list[JobResult] = []
+        # vLLM job ids (and bytes) whose chunks an I/O thread has copied out of the
+        # CPU tier: reported finished at once, so vLLM's pins do not wait for the disk.
+        self._copied: deque[tuple[int, int]] = deque()
+        # Store jobs seen once (copied or ended) and reported; a job that fails before
+        # its copy is seen only once and stays here (a few ids, never reused).
+        self._reported: set[int] = set()
         self._drained: list[TransferResult] = []
         # Keys a HIT pinned until vLLM's promotion of them is submitted (end of step).
         self._lookup_pins: Counter[int] = Counter()
@@ -361,12 +370,17 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         evicted = list(zip(out.evicted_keys, out.evicted_slots, strict=True))
         medium = self._medium
 
+        copied = self._copied
+        nbytes = len(writes) * pages.nbytes
+
         def write() -> int:
+            # A private copy first: vLLM may reuse its chunks as soon as it is made.
+            items: list[PutItem] = [
+                (kid, slot, pages.encode(rows[chunk].clone()), fmt) for kid, slot, chunk in writes
+            ]
+            copied.append((job_id, nbytes))
             if evicted:
                 medium.delete(evicted)
-            items: list[PutItem] = [
-                (kid, slot, pages.encode(rows[chunk]), fmt) for kid, slot, chunk in writes
-            ]
             medium.put(items)
             return len(items) * pages.blob_size
 
@@ -375,6 +389,8 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def _store_done(self, result: TransferResult) -> None:
         job_id, keys = self._stores.pop(result.job_id)
+        # A write that fails after vLLM was told the job finished leaves the keys
+        # out of the bookkeeping: they look up as MISS, as if never stored.
         self.manager.complete_store(keys, success=result.ok)
         if result.ok:
             self.bytes_written += int(result.value)
@@ -385,10 +401,18 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self._mark_down(result.error)
         else:
             log.error("secondary tier %s: a store failed: %r", self.tier_type, result.error)
-        self._finished.append(JobResult(
+        self._report(JobResult(
             job_id=job_id, success=result.ok,
             transfer_bytes=int(result.value) if result.ok else None,
         ))
+
+    def _report(self, job: JobResult) -> None:
+        """Tell vLLM a store job finished, once: at its copy or its end, whichever is seen first."""
+        if job.job_id in self._reported:
+            self._reported.discard(job.job_id)  # the second sighting
+            return
+        self._reported.add(job.job_id)
+        self._finished.append(job)
 
     # -- loads ----------------------------------------------------------------------------------
     @_timed
@@ -476,6 +500,10 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     # -- completion -----------------------------------------------------------------------------
     @_timed
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        copied = self._copied
+        while copied:
+            job_id, nbytes = copied.popleft()
+            self._report(JobResult(job_id=job_id, success=True, transfer_bytes=nbytes))
         done = self._drained + self._engine.get_finished()
         self._drained = []
         for result in done:
