@@ -30,5 +30,5 @@ class MissingDependencyError(IntegrationError):
 
 
 class UnsupportedReleaseError(IntegrationError):
-    """An engine (SGLang, llama-cpp-python) is missing, or of a release its adapter is not
-    tested with; the message says which release to install."""
+    """An engine (SGLang) is missing, or of a release its adapter is not tested with;
+    the message says which release to install."""

@@ -1,7 +1,7 @@
 """Which release of an engine is installed, and refusing the ones an adapter was not tested with.
 
-Each adapter pins the release series it is tested against (SGLang 0.5,
-llama-cpp-python 0.3); :func:`require_release` reads the installed
+Each adapter pins the release series it is tested against (SGLang 0.5);
+:func:`require_release` reads the installed
 distribution's version without importing it and raises the adapter's
 :class:`~kvtier.integrations.errors.IntegrationError` subclass, with a
 message that says what to install, for a missing or other release. An
@@ -23,7 +23,7 @@ from kvtier.integrations.vllm.version import parse_version
 class Pin:
     """The release an adapter is tested against, and how to get it."""
 
-    #: The distribution's name on PyPI (``sglang``, ``llama-cpp-python``).
+    #: The distribution's name on PyPI (``sglang``).
     distribution: str
     #: The exact release the tests run against (``0.5.23``).
     tested: str
