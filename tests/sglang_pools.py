@@ -27,10 +27,15 @@ from sglang.srt.mem_cache.device_pool_info import (
     MHABufferInfo,
     MLABufferInfo,
 )
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 CPU = torch.device("cpu")
+#: The host memory the pools are booked against (they take a few KiB). SGLang
+#: otherwise checks the machine's free memory less a reserve of several GiB,
+#: which a busy test machine does not always have.
+BUDGET = 64 << 20
 
 
 def _ptrs(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -57,11 +62,12 @@ def mha_host_pool(
         page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
         dtype=dtype, device=CPU,
     )
-    return MHATokenToKVPoolHost(
-        info, host_to_device_ratio=4.0, host_size=0, page_size=page_size, layout=layout,
-        pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
-        start_layer=0, end_layer=layers,
-    )
+    with host_memory_budget_scope(BUDGET):
+        return MHATokenToKVPoolHost(
+            info, host_to_device_ratio=4.0, host_size=0, page_size=page_size, layout=layout,
+            pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
+            start_layer=0, end_layer=layers,
+        )
 
 
 def mla_host_pool(
@@ -83,8 +89,9 @@ def mla_host_pool(
         device_layer_num=layers, page_size=page_size, kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=rope_dim, kv_cache_dim=dim, dtype=dtype, device=CPU,
     )
-    return MLATokenToKVPoolHost(
-        info, host_to_device_ratio=4.0, host_size=0, page_size=page_size, layout=layout,
-        pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
-        start_layer=0, end_layer=layers, target_layer_num=layers,
-    )
+    with host_memory_budget_scope(BUDGET):
+        return MLATokenToKVPoolHost(
+            info, host_to_device_ratio=4.0, host_size=0, page_size=page_size, layout=layout,
+            pin_memory=False, device="cpu", device_capacity_tokens=device_tokens,
+            start_layer=0, end_layer=layers, target_layer_num=layers,
+        )
