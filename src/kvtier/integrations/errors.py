@@ -27,3 +27,8 @@ class UnsupportedVllmError(IntegrationError):
 
 class MissingDependencyError(IntegrationError):
     """A package an integration needs (pyzmq, msgspec) is not installed."""
+
+
+class UnsupportedReleaseError(IntegrationError):
+    """An engine (SGLang) is missing, or of a release its adapter is not tested with;
+    the message says which release to install."""
