@@ -118,15 +118,14 @@ def _loop(eng: Engine, rounds: int, prompts: dict[str, list[int]]) -> list[bool]
         for a in AGENTS:
             p = prompts[a]
             keys = eng.manager.hasher.chain(p)
-            # Let queued prefetches land (the client's think time between steps).
-            if eng.agents.prefetcher is not None:
-                while eng.agents.prefetcher.busy:
-                    eng.agents.prefetcher.finish(wait=True)
+            # The client's think time between steps: an idle engine keeps polling its
+            # tier stores and prefetches (as the server's worker does) until none is left.
+            while eng.background_pending():
+                eng.poll_background()
+                time.sleep(0.001)
             warm.append(len(eng.manager.pool.lookup(keys)) * bs >= len(p) - bs)
             run(eng, p, {"workflow_id": "w", "agent_id": a, "step": step})
             step += 1
-            if eng.agents.prefetcher is not None:
-                eng.agents.prefetcher.poll()
     return warm
 
 
@@ -255,3 +254,39 @@ def test_a_prefetch_plan_keeps_its_bounds_and_order(
         evicted += g.blocks - from_empty
         # Everything evicted so far was due later than this agent.
         assert evicted <= due_after[min(g.candidate.distance, 6)]
+
+
+def test_an_idle_server_worker_prefetches_between_steps(
+    model_tok: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """Between steps no request runs; the worker still lands stores and starts prefetches."""
+    from kvtier.engine.worker import EngineWorker
+
+    prompts = agent_prompts()
+    eng = _tiered(model_tok, [Tier(DiskStore(tmp_path), 200)])
+    eng.agents.register(sequential("w", AGENTS, cyclic=True))
+    eng.agents.enable_prefetch(lookahead=1, max_bytes=12 * eng.layout.bytes_per_block)
+    worker = EngineWorker(eng).start()
+    try:
+        warm: list[bool] = []
+        step = 0
+        for _ in range(3):
+            for a in AGENTS:
+                keys = eng.manager.hasher.chain(prompts[a])
+                # Think time: only the worker's own idle polling may bring the prompt back.
+                deadline = time.monotonic() + 10.0
+                while worker.call(lambda e: e.background_pending()):
+                    assert time.monotonic() < deadline, "background work never settled"
+                    time.sleep(0.005)
+                cached = worker.call(lambda e, k=keys: len(e.manager.pool.lookup(k)))
+                warm.append(cached * eng.manager.block_size >= len(prompts[a]) - 4)
+                hints = {"workflow_id": "w", "agent_id": a, "step": step}
+                handle = worker.submit(prompts[a], GREEDY, hints=hints)
+                handle.result()
+                step += 1
+        assert all(warm[len(AGENTS) :]), warm
+        prefetcher = eng.agents.prefetcher
+        assert prefetcher is not None and prefetcher.counters.loaded_blocks > 0
+    finally:
+        worker.stop()
+    eng.manager.check()

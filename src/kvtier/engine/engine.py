@@ -533,6 +533,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def background_pending(self) -> bool:
+        """Whether an idle engine still has work to poll: prefetches, or tier stores they wait on.
+
+        Between an agent's steps no request may be running; the blocks the next
+        agent needs can still be on their way down to a tier, and a prefetch can
+        start only once they are there. A caller that idles (the server's worker)
+        calls :meth:`poll_background` until this is false.
+        """
+        p = self.agents.prefetcher
+        if p is None or self.tier_chain is None:
+            return False
+        return p.busy or self.tier_chain.stores_pending
+
+    def poll_background(self) -> None:
+        """Finish tier stores and prefetches that completed, and start the prefetches now due."""
+        if self.tier_chain is not None:
+            self.tier_chain.poll()
+            self.agents.poll()
+
     def close(self) -> None:
         """Stop pressure sampling, finish background tier writes, close the tiers' media."""
         if self.pressure is not None:
@@ -603,9 +622,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one forward pass over every scheduled sequence."""
         outs: list[RequestOutput] = []
-        if self.tier_chain is not None:
-            self.tier_chain.poll()
-            self.agents.poll()
+        self.poll_background()
         for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
             self._finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)

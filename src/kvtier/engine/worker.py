@@ -33,6 +33,9 @@ from kvtier.errors import KvTierError
 
 log = logging.getLogger(__name__)
 
+#: How often an idle worker polls tier stores and prefetches in flight.
+BACKGROUND_POLL_S = 0.005
+
 T = TypeVar("T")
 
 
@@ -124,6 +127,7 @@ class EngineWorker:
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._cv = threading.Condition()
+        self._background_failed = False
         self._inbox: list[
             tuple[list[int], SamplingParams, RequestHandle, float, Any, Hints | None]
         ] = []
@@ -301,7 +305,17 @@ class EngineWorker:
                     or self._calls
                     or engine.has_unfinished()
                 ):
-                    self._cv.wait()
+                    if self._background_failed or not engine.background_pending():
+                        self._cv.wait()
+                        continue
+                    # Idle, but tier stores or prefetches are in flight: keep them moving
+                    # so the next agent's blocks are back before its request comes.
+                    self._cv.wait(BACKGROUND_POLL_S)
+                    try:
+                        engine.poll_background()
+                    except Exception:  # never the worker's end; requests still poll it
+                        self._background_failed = True
+                        log.exception("idle background polling failed; it stops until restart")
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, []

@@ -675,6 +675,11 @@ class TierChain:
             self._store_payloads(t + 1, down_keys, down)
 
     # -- completion ------------------------------------------------------------------------
+    @property
+    def stores_pending(self) -> bool:
+        """Whether background stores are still in flight (a :meth:`poll` will finish them)."""
+        return bool(self._pending)
+
     def poll(self) -> int:
         """Finish background stores that completed; returns how many jobs ended."""
         with self._lock:
