@@ -21,7 +21,11 @@ def expected(tokens: list[int], items: list[tuple[int, int]], m: KVCacheManager)
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.integers(0, 50), min_size=1, max_size=40),
-    st.lists(st.tuples(st.integers(0, 39), st.integers(1, 2**128 - 1)), max_size=3),
+    st.lists(
+        st.tuples(st.integers(0, 39), st.integers(1, 2**128 - 1)),
+        max_size=3,
+        unique_by=lambda item: item[0],
+    ),
     st.integers(1, 40),
 )
 def test_keys_of_blocks_filled_later_carry_the_items(
@@ -55,5 +59,7 @@ def test_malformed_item_keys_are_refused() -> None:
     m = KVCacheManager(num_blocks=8, block_size=BS)
     with pytest.raises(BadRequestError, match="position"):
         m.allocate("r", [1, 2, 3], item_keys=[(-1, 5)])
+    with pytest.raises(BadRequestError, match="two items start at position 2"):
+        m.allocate("r", [1, 2, 3], item_keys=[(2, 5), (2, 6)])
     with pytest.raises(BadRequestError, match="pairs"):
         m.allocate("r", [1, 2, 3], item_keys=[(1, 2, 3)])  # type: ignore[list-item]

@@ -28,6 +28,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import xxhash
 
@@ -86,6 +87,12 @@ def check_item_keys(items: Sequence[ItemKey]) -> tuple[ItemKey, ...]:
         _encode_extra((key,))  # raises for a part of the wrong type
         out.append((pos, key))
     out.sort(key=lambda e: e[0])
+    for (a, _), (b, _) in pairwise(out):
+        if a == b:
+            raise BadRequestError(
+                f"two items start at position {a}; each item needs its own placeholder position",
+                param="item_keys",
+            )
     return tuple(out)
 
 
