@@ -70,6 +70,8 @@ def test_vllm_loads_the_tier_by_module_path(disk: TieringDriver) -> None:
         ({"url": "disk:/tmp/x?size=100"}, "hold no chunk"),
         ({"url": "disk:/tmp/x?codec=zstd"}, "unknown codec"),
         ({"url": "nowhere:/tmp/x"}, "names no registered medium"),
+        ({"url": "disk:/tmp/x", "copy_inline_bytes": -1}, "copy_inline_bytes must be"),
+        ({"url": "disk:/tmp/x", "write_backlog_bytes": "1GiB"}, "write_backlog_bytes must be"),
     ],
 )
 def test_bad_settings_fail_at_startup(settings: dict[str, Any], match: str) -> None:
@@ -422,8 +424,14 @@ class _SlowPuts:
         return getattr(self._inner, name)
 
 
-def test_vllms_chunks_are_free_before_the_write_ends(tmp_path: Path) -> None:
-    d = TieringDriver([kvtier_tier(f"disk:{tmp_path}?size=1MiB")], cpu_chunks=4)
+@pytest.mark.parametrize("copy_inline_bytes", [1 << 20, 0], ids=["inline", "copy-thread"])
+def test_vllms_chunks_are_free_before_the_write_ends(
+    tmp_path: Path, copy_inline_bytes: int
+) -> None:
+    d = TieringDriver(
+        [kvtier_tier(f"disk:{tmp_path}?size=1MiB", copy_inline_bytes=copy_inline_bytes)],
+        cpu_chunks=4,
+    )
     try:
         (tier,) = d.tiers
         slow = _SlowPuts(tier._medium)
@@ -446,4 +454,65 @@ def test_vllms_chunks_are_free_before_the_write_ends(tmp_path: Path) -> None:
         assert d.fetch(d.request(), list(first)) == list(first.values())
     finally:
         slow.gate.set()
+        d.shutdown()
+
+
+def test_a_full_write_backlog_keeps_vllms_chunks_pinned(tmp_path: Path) -> None:
+    # Room for one job's copies: while the medium is stuck, the next jobs are not
+    # copied, so vLLM keeps their chunks and must refuse new stores.
+    d = TieringDriver(
+        [kvtier_tier(f"disk:{tmp_path}?size=1MiB", write_backlog_bytes=4 * CHUNK)],
+        cpu_chunks=8,
+    )
+    try:
+        (tier,) = d.tiers
+        slow = _SlowPuts(tier._medium)
+        tier._medium = slow
+        jobs = [chunks([f"{name}{i}" for i in range(4)], seed=20 + n)
+                for n, name in enumerate("abcd")]
+        assert d.store(d.request(), jobs[0]) == list(jobs[0])  # copied at once
+        assert d.store(d.request(), jobs[1]) == list(jobs[1])  # waits for room
+        for _ in range(5):
+            d.step()
+        # jobs[0]'s chunks were released, so jobs[2] evicts them; jobs[1]'s stay pinned.
+        assert d.store(d.request(), jobs[2]) == list(jobs[2])
+        for _ in range(5):
+            d.step()
+        assert d.store(d.request(), jobs[3]) == []
+        assert tier._backlog.used == 4 * CHUNK
+        slow.gate.set()
+        d.settle()
+        assert tier._backlog.used == 0
+        d.wipe_cpu_tier()
+        for job in jobs[:3]:
+            assert d.fetch(d.request(), list(job)) == list(job.values())
+        tier.offload_manager.check()
+    finally:
+        slow.gate.set()
+        d.shutdown()
+
+
+class _UncopyableRows:
+    """Stands in for the CPU tier's rows in a test of a copy that raises."""
+
+    def index_select(self, dim: int, index: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+
+def test_a_failed_copy_fails_its_store_and_leaves_the_keys_out(tmp_path: Path) -> None:
+    d = TieringDriver(
+        [kvtier_tier(f"disk:{tmp_path}?size=1MiB", copy_inline_bytes=0)], cpu_chunks=4
+    )
+    try:
+        (tier,) = d.tiers
+        rows, tier._rows = tier._rows, _UncopyableRows()
+        data = chunks(["x0", "x1"], seed=30)
+        assert d.store(d.request(), data) == list(data)
+        d.settle()
+        tier._rows = rows
+        assert tier._backlog.used == 0
+        assert len(tier.offload_manager) == 0
+        d.wipe_cpu_tier()
+        assert d.lookup(d.request(), list(data)) == [MISS, MISS]
+    finally:
         d.shutdown()

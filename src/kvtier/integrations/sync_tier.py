@@ -242,7 +242,9 @@ class SyncTier:
             writing = dict(zip(out.keys_to_store, out.slots, strict=True))
             for i, kid in enumerate(keys[:n]):
                 held[i] = kid not in writing and manager.is_ready(kid)
-        index = {kid: i for i, kid in enumerate(keys)}
+        index: dict[int, int] = {}
+        for i, kid in enumerate(keys):
+            index.setdefault(kid, i)
         success = False
         try:
             if out.evicted_keys:
@@ -260,8 +262,9 @@ class SyncTier:
             with self._lock:
                 manager.complete_store(list(writing), success=success)
         if success:
-            for kid in writing:
-                held[index[kid]] = True
+            for i, kid in enumerate(keys[:n]):
+                if kid in writing:
+                    held[i] = True  # every place the key is asked at
             self.counters.stored += len(writing)
             self.counters.bytes_written += sum(int(p.numel()) for _, _, p, _ in items)
         return held

@@ -45,10 +45,19 @@ class TransferResult:
 class TransferEngine:
     """A pool of ``max_workers`` threads running tier transfer jobs."""
 
-    def __init__(self, max_workers: int = 4, *, cuda_streams: bool | None = None) -> None:
+    def __init__(
+        self, max_workers: int = 4, *, cuda_streams: bool | None = None, prestart: bool = False
+    ) -> None:
         if not isinstance(max_workers, int) or max_workers <= 0:
             raise ConfigError(f"max_workers must be a positive integer, got {max_workers!r}")
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvtier-transfer")
+        if prestart:
+            # The pool starts a thread inside submit() otherwise, and Thread.start()
+            # waits for the new thread, which costs the caller milliseconds while
+            # other threads hold the GIL: start them all now.
+            gate = threading.Barrier(max_workers)
+            for _ in range(max_workers):
+                self._pool.submit(gate.wait, 10.0)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._futures: dict[int, Future[Any]] = {}

@@ -22,19 +22,25 @@ included), ``codec`` (``raw`` keeps every byte; ``int8`` / ``fp8`` store a
 policy: it chooses what the tier evicts when ``size`` is full). Other keys:
 ``workers`` (I/O threads, default 4), ``enable_kv_events`` (publish the tier's
 stored and removed chunks when vLLM's KV events are on), ``locality``
-(``LOCAL`` / ``REMOTE``, default ``REMOTE`` for a shared medium) and
-``retry_interval_s`` (how long a medium that failed is skipped, default 1).
+(``LOCAL`` / ``REMOTE``, default ``REMOTE`` for a shared medium),
+``retry_interval_s`` (how long a medium that failed is skipped, default 1),
+``copy_inline_bytes`` (store jobs up to this size are copied on the
+scheduler thread, default 1 MiB) and ``write_backlog_bytes`` (copies not yet
+written, at most; default 256 MiB).
 
 What happens where:
 
 * every call from vLLM's scheduler does bookkeeping only (a kvtier
   :class:`~kvtier.offload.OffloadingManager` per tier, driven by the policy):
   reads, writes, checksums and deletions run on a :class:`TransferEngine`
-  thread pool. Loads write vLLM's CPU chunks in place; a store copies its
-  chunks first and reports the job finished at that point, so vLLM's pins on
-  its CPU tier last a memory copy, not a disk or network write (until the
-  write ends the keys look up as RETRY, and a write that fails leaves them
-  out: MISS). ``call_stats`` records the longest call of each kind;
+  thread pool. Loads write vLLM's CPU chunks in place. A store's chunks are
+  copied first (a small job on the scheduler thread, holding the GIL; a
+  large one on a copy thread) and the job is reported finished at the next
+  poll, so vLLM's pins on its CPU tier last a memory copy, not a disk or
+  network write (until the write ends the keys look up as RETRY, and a
+  write that fails leaves them out: MISS); copies not yet written are
+  bounded, past which vLLM's chunks stay pinned. ``call_stats`` records the
+  longest call of each kind;
 * chunks are named by vLLM's offload keys (block hash and KV group), hashed
   to kvtier's 128-bit keys, in a namespace made of the fields vLLM's own file
   tier uses (model, dtype, block size, KV groups, parallelism, rank);
@@ -104,7 +110,10 @@ log = logging.getLogger("kvtier.vllm")
 #: The module path to give vLLM as a secondary tier's ``module_path``.
 MODULE_PATH = __name__
 #: Tier config keys this tier reads (besides vLLM's ``type``, ``module_path``, ``backpressure``).
-TIER_KEYS = ("url", "workers", "enable_kv_events", "locality", "retry_interval_s")
+TIER_KEYS = (
+    "url", "workers", "enable_kv_events", "locality", "retry_interval_s",
+    "copy_inline_bytes", "write_backlog_bytes",
+)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -155,6 +164,39 @@ def tier_namespace(offloading_spec: Any) -> str:
     return f"vllm-{mapper.base_path.rsplit('/', 1)[-1]}_r{mapper.rank}"
 
 
+class _Backlog:
+    """Bytes copied out of vLLM's CPU tier and not yet written, bounded by ``limit``.
+
+    One job larger than the limit is let through when nothing else waits,
+    so no job waits for ever.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cv = threading.Condition()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    def try_take(self, nbytes: int) -> bool:
+        with self._cv:
+            if not self._fits(nbytes):
+                return False
+            self.used += nbytes
+            return True
+
+    def take(self, nbytes: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._fits(nbytes))
+            self.used += nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._cv:
+            self.used -= nbytes
+            self._cv.notify_all()
+
+
 class _MediumLookups(AsyncLookupManager):  # type: ignore[misc]
     """vLLM's background existence checks, asking a shared kvtier medium."""
 
@@ -186,6 +228,8 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         enable_kv_events: bool = False,
         locality: str | None = None,
         retry_interval_s: float = 1.0,
+        copy_inline_bytes: int = 1 << 20,
+        write_backlog_bytes: int = 256 << 20,
         backpressure_detector: Any = None,
         **unknown: Any,
     ) -> None:
@@ -204,6 +248,10 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise ConfigError(f"workers must be a positive integer, got {workers!r}")
         if not isinstance(retry_interval_s, int | float) or retry_interval_s < 0:
             raise ConfigError(f"retry_interval_s must be >= 0 seconds, got {retry_interval_s!r}")
+        for name, value in (("copy_inline_bytes", copy_inline_bytes),
+                            ("write_backlog_bytes", write_backlog_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a number of bytes >= 0, got {value!r}")
         spec = TierSpec.from_url(url)
         if spec.write_mode is not None:
             raise ConfigError(
@@ -239,13 +287,18 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self.capacity, spec.policy, medium=self._medium.name, enable_events=self._events_on
         )
         self.retry_interval_s = float(retry_interval_s)
-        self._engine = TransferEngine(workers, cuda_streams=False)
-        # vLLM job id -> what the job's completion must settle.
-        self._stores: dict[int, tuple[int, list[int]]] = {}
+        self._engine = TransferEngine(workers, cuda_streams=False, prestart=True)
+        # Copies of store jobs too large to make on the scheduler thread, in order; a
+        # thread of their own so a copy never waits behind a disk or network write.
+        self._copier = TransferEngine(1, cuda_streams=False, prestart=True)
+        self.copy_inline_bytes = copy_inline_bytes
+        self._backlog = _Backlog(write_backlog_bytes)
+        # vLLM store job id -> the keys it writes.
+        self._stores: dict[int, list[int]] = {}
         self._loads: dict[int, tuple[int, list[OffloadKey], list[tuple[int, int]]]] = {}
         self._finished: list[JobResult] = []
-        # vLLM job ids (and bytes) whose chunks an I/O thread has copied out of the
-        # CPU tier: reported finished at once, so vLLM's pins do not wait for the disk.
+        # vLLM job ids (and bytes) whose chunks have been copied out of the CPU tier:
+        # reported finished at the next poll, so vLLM's pins do not wait for the medium.
         self._copied: deque[tuple[int, int]] = deque()
         # Store jobs seen once (copied or ended) and reported; a job that fails before
         # its copy is seen only once and stays here (a few ids, never reused).
@@ -268,6 +321,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         rows = np.asarray(primary_kv_view)
         #: vLLM's CPU chunks, one uint8 row each, shared with vLLM (no copy).
         self._rows = torch.from_numpy(rows).view(torch.uint8).reshape(rows.shape[0], -1)
+        self._flat = primary_kv_view.cast("B")
         self._lookups = _MediumLookups(self) if self._caps.shared else None
         self._scan_job: int | None = None
         if self._caps.persistent:
@@ -362,33 +416,90 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             return
         for kid in out.evicted_keys:
             self._names.pop(kid, None)
-        rows = self._rows
+        writes = list(zip(out.keys_to_store, out.slots, strict=True))
+        chunks = [chunk_of[kid] for kid in out.keys_to_store]
+        evicted = list(zip(out.evicted_keys, out.evicted_slots, strict=True))
+        nbytes = len(writes) * self.pages.nbytes
+        self._stores[job_id] = list(out.keys_to_store)
+        if nbytes <= self.copy_inline_bytes and self._backlog.try_take(nbytes):
+            # A small job is copied here, in microseconds, so vLLM may reuse its chunks
+            # from the next poll on whatever the medium's pace. A memoryview copy keeps
+            # the GIL: a call that released it (any torch op) could wait milliseconds to
+            # get it back from the I/O threads.
+            self._start_write(job_id, writes, evicted, self._copy_rows(chunks), nbytes)
+        else:
+            self._copier.submit(
+                "copy", lambda: self._copy_then_write(job_id, writes, evicted, chunks, nbytes),
+                tag=job_id,
+            )
+
+    def _copy_then_write(
+        self,
+        job_id: int,
+        writes: list[tuple[int, int]],
+        evicted: list[tuple[int, int]],
+        chunks: list[int],
+        nbytes: int,
+    ) -> None:
+        """On the copy thread: wait for room in the write backlog, copy, queue the write.
+
+        While the backlog is full vLLM's chunks stay pinned, which is the back-pressure
+        a medium slower than the engine's stores must put on it.
+        """
+        self._backlog.take(nbytes)
+        try:
+            snapshot = self._rows.index_select(0, torch.tensor(chunks, dtype=torch.long))
+        except BaseException:
+            self._backlog.give(nbytes)
+            raise
+        self._start_write(job_id, writes, evicted, snapshot, nbytes)
+
+    def _copy_rows(self, chunks: list[int]) -> bytearray:
+        """The CPU tier's ``chunks``, back to back (a copy made holding the GIL)."""
+        n = self.pages.nbytes
+        flat = self._flat
+        out = bytearray(n * len(chunks))
+        view = memoryview(out)
+        for i, chunk in enumerate(chunks):
+            view[i * n:(i + 1) * n] = flat[chunk * n:(chunk + 1) * n]
+        return out
+
+    def _start_write(
+        self,
+        job_id: int,
+        writes: list[tuple[int, int]],
+        evicted: list[tuple[int, int]],
+        snapshot: torch.Tensor | bytearray,
+        nbytes: int,
+    ) -> None:
+        """The chunks are copied (``snapshot``, one row each): report the job, write them."""
+        self._copied.append((job_id, nbytes))
         pages = self.pages
         fmt = pages.format
-        writes = [(kid, slot, chunk_of[kid]) for kid, slot in zip(
-            out.keys_to_store, out.slots, strict=True)]
-        evicted = list(zip(out.evicted_keys, out.evicted_slots, strict=True))
         medium = self._medium
-
-        copied = self._copied
-        nbytes = len(writes) * pages.nbytes
+        backlog = self._backlog
 
         def write() -> int:
-            # A private copy first: vLLM may reuse its chunks as soon as it is made.
-            items: list[PutItem] = [
-                (kid, slot, pages.encode(rows[chunk].clone()), fmt) for kid, slot, chunk in writes
-            ]
-            copied.append((job_id, nbytes))
-            if evicted:
-                medium.delete(evicted)
-            medium.put(items)
+            try:
+                rows = (
+                    torch.frombuffer(snapshot, dtype=torch.uint8).view(len(writes), pages.nbytes)
+                    if isinstance(snapshot, bytearray) else snapshot
+                )
+                items: list[PutItem] = [
+                    (kid, slot, pages.encode(rows[i]), fmt) for i, (kid, slot) in enumerate(writes)
+                ]
+                if evicted:
+                    medium.delete(evicted)
+                medium.put(items)
+            finally:
+                backlog.give(nbytes)
             return len(items) * pages.blob_size
 
-        self._stores[self._engine.submit("store", write, tag=job_id)] = (
-            job_id, list(out.keys_to_store))
+        self._engine.submit("store", write, tag=job_id)
 
     def _store_done(self, result: TransferResult) -> None:
-        job_id, keys = self._stores.pop(result.job_id)
+        job_id: int = result.tag
+        keys = self._stores.pop(job_id)
         # A write that fails after vLLM was told the job finished leaves the keys
         # out of the bookkeeping: they look up as MISS, as if never stored.
         self.offload_manager.complete_store(keys, success=result.ok)
@@ -504,10 +615,13 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         while copied:
             job_id, nbytes = copied.popleft()
             self._report(JobResult(job_id=job_id, success=True, transfer_bytes=nbytes))
-        done = self._drained + self._engine.get_finished()
+        done = self._drained + self._copier.get_finished() + self._engine.get_finished()
         self._drained = []
         for result in done:
-            if result.job_id in self._stores:
+            if result.kind == "copy":
+                if not result.ok:  # never copied, never written: the store failed
+                    self._store_done(result)
+            elif result.kind == "store":
                 self._store_done(result)
             elif result.job_id in self._loads:
                 self._load_done(result)
@@ -542,7 +656,9 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self._engine.submit("delete", lambda: self._medium.delete(items))
 
     def has_pending_work(self) -> bool:
-        return self._engine.num_pending > 0 or bool(self._drained)
+        return (
+            self._copier.num_pending > 0 or self._engine.num_pending > 0 or bool(self._drained)
+        )
 
     @_timed
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -581,16 +697,20 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self._lookups.flush()
 
     def drain_jobs(self) -> None:
+        # Copies first: each queues its write on the I/O threads.
+        self._drained.extend(self._copier.drain())
         self._drained.extend(self._engine.drain())
 
     def shutdown(self) -> None:
-        self._drained.extend(self._engine.drain())
+        self.drain_jobs()
+        self._copier.shutdown()
         self._engine.shutdown()
         if self._lookups is not None:
             self._lookups.shutdown()
         self._medium.close()
         # vLLM unmaps its CPU tier after this; no view of it may stay exported.
         self._rows = torch.empty((0, 0), dtype=torch.uint8)
+        self._flat.release()
 
     def stats(self) -> dict[str, Any]:
         """What the tier did: chunks held, bytes moved, failures, the longest calls."""
