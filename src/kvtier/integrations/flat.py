@@ -126,6 +126,19 @@ class FlatPages:
         fmt = self.format
         return self.codec.encode(page.reshape(-1).view(self.dtype).view(fmt.shape))
 
+    def verified_bytes(self, stored: Stored, key: int) -> memoryview:
+        """A stored ``raw`` page's bytes, checked as :meth:`decode_into` checks them, in place.
+
+        No copy and no torch kernel: a caller that hands the bytes to another
+        library (llama.cpp) keeps torch's worker threads out of its way.
+        """
+        if self.codec_name != "raw":
+            raise ConfigError(f"{self.codec_name} pages are decoded, not read in place")
+        header, payload = stored
+        fmt = self.format
+        verify(header, payload, key, fmt.shape, fmt.dtype)
+        return memoryview(payload.numpy().data)
+
     def decode_into(self, stored: Stored, key: int, out: torch.Tensor) -> None:
         """Check a stored page against ``key`` and this geometry, and write it into ``out``.
 

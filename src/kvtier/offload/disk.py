@@ -100,8 +100,13 @@ class DiskStore:
         out: list[Stored | None] = []
         for key, _slot in items:
             try:
-                with open(self.path(key), "rb") as f:
-                    blob = bytearray(f.read())
+                with open(self.path(key), "rb", buffering=0) as f:
+                    # Read straight into the buffer kept (f.read() and a bytearray of
+                    # it would copy every block twice).
+                    blob = bytearray(os.fstat(f.fileno()).st_size)
+                    got = f.readinto(blob)
+                    if got is not None and got < len(blob):
+                        del blob[got:]  # shrank while read: the checksum will tell
             except FileNotFoundError:
                 out.append(None)
                 continue
