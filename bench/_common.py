@@ -78,6 +78,12 @@ def git_state(repo: Path) -> dict[str, Any]:
     }
 
 
+def disk_bytes(root: Path) -> tuple[int, int]:
+    """Bytes and files under ``root`` (what a disk tier or cache directory holds)."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain-text table with right-aligned numeric columns."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]

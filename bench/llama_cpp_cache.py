@@ -40,6 +40,7 @@ from typing import Any
 
 from _common import (
     REPO,
+    disk_bytes,
     format_markdown_table,
     format_table,
     git_state,
@@ -57,10 +58,6 @@ QUESTIONS = [
     ("Summarise the first section. Answer:", "What command runs a replay? Answer:"),
     ("What is a block? Answer:", "What is a capacity? Answer:"),
 ]
-
-
-def directory_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 class _TimedSaves:
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 complete(first, f"{doc}\n\n{qa}")
                 if cache is not None:
                     saves.extend(timed.save_s)
-                    per_state.append(directory_bytes(root))
+                    per_state.append(disk_bytes(root)[0])
                     close = getattr(cache, "close", None)
                     if close is not None:
                         close()

@@ -56,6 +56,7 @@ from typing import Any
 from _common import (
     CONVERSATION_TRACE,
     REPO,
+    disk_bytes,
     format_markdown_table,
     format_table,
     git_state,
@@ -78,12 +79,6 @@ def wchar() -> int:
             if line.startswith("wchar:"):
                 return int(line.split()[1])
     raise RuntimeError("no wchar in /proc/self/io")
-
-
-def disk_bytes(root: Path) -> tuple[int, int]:
-    """Bytes and files under ``root``."""
-    files = [p for p in root.rglob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files), len(files)
 
 
 def replay(

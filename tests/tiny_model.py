@@ -48,26 +48,32 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
-def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
-    """A 2-layer random Llama (``vocab_size`` = the tokenizer's) and its tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(tok: Any, max_position_embeddings: int = 512) -> Any:
+    """A 2-layer Llama config small enough to run in tests, over ``tok``'s vocabulary."""
+    from transformers import LlamaConfig
 
-    tok = tiny_tokenizer()
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=None,
     )
+
+
+def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
+    """A 2-layer random Llama (``vocab_size`` = the tokenizer's) and its tokenizer."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(tiny_llama_config(tok)).eval()
     return model, tok
 
 

@@ -12,27 +12,14 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from tiny_model import tiny_tokenizer
+from tiny_model import tiny_llama_config, tiny_tokenizer
 
 IMAGE_TOKEN = "<image>"
 IDEFICS_TOKENS = ("<fake_token_around_image>", "<global-img>")
 
 
 def _text_config(tok: Any) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=None,
-    )
+    return tiny_llama_config(tok, max_position_embeddings=1024)
 
 
 def vlm_tokenizer(family: str) -> Any:

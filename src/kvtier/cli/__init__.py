@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier import __version__
-from kvtier.cli import info, replay, serve
+from kvtier.cli import config_file, info, replay, serve
 from kvtier.errors import KvTierError
 from kvtier.units import parse_memory_size
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "serve":
-            args = serve.apply_config_file(parser, serve_parser, argv, args)
+            args = config_file.apply_config_file(parser, serve_parser, argv, args)
         return int(args.func(args))
     except KvTierError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
