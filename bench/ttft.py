@@ -13,7 +13,7 @@ one process on the same model weights:
 * ``HF generate, copied DynamicCache``: plain transformers, the
   HF-recommended way to reuse a prefix: a ``DynamicCache`` of the prefix is
   computed once; each question ``copy.deepcopy``-s it and calls
-  ``model.generate(full_ids, past_key_values=copy, max_new_tokens=1)``.
+  ``model.generate(full_ids, cache=copy, max_new_tokens=1)``.
 * ``HF forward, no cache``: one forward pass over all 2,112 tokens.
 * ``floor: suffix forward``: the pure compute of the 64-token suffix given a
   ready ``DynamicCache`` of the prefix (copied outside the timer): the least
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         prefix_t = torch.tensor([prefix])
         ready = DynamicCache(config=model.config)
-        model(prefix_t, past_key_values=ready, use_cache=True, logits_to_keep=1)
+        model(prefix_t, cache=ready, use_cache=True, logits_to_keep=1)
 
         # Warm up every path once (and put the prefix in kvtier's cache) with
         # a question of its own: every timed question is new to the cache.
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             c = copy.deepcopy(ready)
             model.generate(
                 ids,
-                past_key_values=c,
+                cache=c,
                 max_new_tokens=1,
                 do_sample=False,
                 attention_mask=torch.ones_like(ids),
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             c = copy.deepcopy(ready)
             ids = torch.tensor([q])
             t0 = time.perf_counter()
-            model(ids, past_key_values=c, use_cache=True, logits_to_keep=1)
+            model(ids, cache=c, use_cache=True, logits_to_keep=1)
             return time.perf_counter() - t0
 
         systems: dict[str, Callable[[list[int]], float]] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from needs import need_module
 
@@ -54,7 +56,7 @@ def _run(model, cache: KvTierCache, ids: list[int]) -> torch.Tensor:
     """Feed ``ids`` (the uncomputed part) through ``cache``; returns their logits."""
     cache.feed(ids)
     with torch.no_grad():
-        return model(torch.tensor([ids]), past_key_values=cache).logits[0]
+        return model(torch.tensor([ids]), cache=cache).logits[0]
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -124,7 +126,7 @@ def test_generate_with_attached_cache(model) -> None:
     for rid in ("first", "second"):
         with KvTierCache(storage, mgr, rid, prompt) as cache:
             got = model.generate(
-                torch.tensor([prompt]), past_key_values=cache, max_new_tokens=9, do_sample=False
+                torch.tensor([prompt]), cache=cache, max_new_tokens=9, do_sample=False
             )
             assert got.tolist() == ref.tolist()
             # generate fed every token it computed: prompt plus all but the last new one.
@@ -140,6 +142,21 @@ def test_generate_with_attached_cache(model) -> None:
             atol=ATOL,
             rtol=0,
         )
+
+
+def test_attached_hook_takes_the_deprecated_keyword(model) -> None:
+    """``model(..., past_key_values=cache)`` (the spelling before ``cache``) feeds the cache too."""
+    storage, mgr = _kv(model)
+    attach(model)
+    prompt = _tokens(12, 11)
+    # Built with part of the prompt: the rest reaches the cache only through the hook.
+    with KvTierCache(storage, mgr, "old-spelling", prompt[:6]) as cache, torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0]
+        assert cache.num_computed_tokens == len(prompt)
+        assert cache.token_ids == prompt
+        torch.testing.assert_close(logits, _scratch(model, prompt), atol=ATOL, rtol=0)
 
 
 def test_fork_shares_blocks_and_copies_on_write(model) -> None:
@@ -205,8 +222,8 @@ def test_bfloat16_model_stores_bfloat16_blocks() -> None:
     # over the same split (the same operations on the same shapes).
     reference = transformers.DynamicCache()
     with torch.no_grad():
-        model(torch.tensor([prompt[:n]]), past_key_values=reference)
-        split = model(torch.tensor([prompt[n:]]), past_key_values=reference).logits[0]
+        model(torch.tensor([prompt[:n]]), cache=reference)
+        split = model(torch.tensor([prompt[n:]]), cache=reference).logits[0]
     assert got.dtype == torch.bfloat16 and torch.equal(got, split)
     # Against one pass over the whole prompt the matmul shapes differ, so bf16
     # rounding may differ too: close to bf16 precision, not bit-exact by promise.
@@ -221,7 +238,7 @@ def test_bad_use_is_a_typed_error() -> None:
     with pytest.raises(BadRequestError, match="continue this cache"):
         cache.feed(_tokens(15, 6))
     with pytest.raises(BadRequestError, match=r"call kvtier\.engine\.attach"), torch.no_grad():
-        model(torch.tensor([[*prompt, 1, 2]]), past_key_values=cache)
+        model(torch.tensor([[*prompt, 1, 2]]), cache=cache)
     cache.abort()
     with pytest.raises(BadRequestError, match="released"):
         cache.feed([1])
@@ -233,7 +250,7 @@ def test_bad_use_is_a_typed_error() -> None:
         torch.no_grad(),
     ):
         c.feed(prompt)
-        model(torch.tensor([prompt, prompt]), past_key_values=c)
+        model(torch.tensor([prompt, prompt]), cache=c)
     mgr.check()
     assert len(mgr) == 0
 
@@ -278,3 +295,29 @@ def test_random_request_streams_under_eviction_stay_exact(model, requests) -> No
                 rtol=0,
             )
         mgr.check()
+
+
+def test_a_mixed_chain_writes_through_from_the_transformers_path(model, tmp_path) -> None:
+    """Host writes back and disk writes through (``"mixed"``): computed blocks reach disk at once.
+
+    The engine decides by ``TierChain.writes_through``; ``KvTierCache`` must
+    decide the same way, not only when every tier writes through.
+    """
+    from kvtier.offload.chain import Tier, TierChain
+    from kvtier.offload.disk import DiskStore
+    from kvtier.offload.host import HostStore
+
+    storage, mgr = _kv(model)
+    chain = TierChain(
+        storage,
+        mgr,
+        [Tier(HostStore(), 16), Tier(DiskStore(tmp_path), 32, write_mode="write_through")],
+    )
+    assert chain.write_mode == "mixed" and chain.writes_through
+    prompt = _tokens(13, 3 * BS + 1)
+    with KvTierCache(storage, mgr, "mixed", prompt, tiers=chain) as cache, torch.no_grad():
+        model(torch.tensor([prompt]), cache=cache)
+    chain.flush()
+    assert chain.stats()["disk"]["stored_blocks"] == 3
+    assert chain.stats()["host"]["stored_blocks"] == 0  # write-back: only on eviction
+    chain.close()

@@ -88,7 +88,7 @@ def test_the_batched_engine_reads_what_the_cache_path_reads(model_tok: tuple[Any
         step = list(ids)  # the prompt in one pass, then one token per pass, as the engine
         for _ in range(GREEDY.max_tokens):
             cache.feed(step)
-            logits = model(input_ids=torch.tensor([step]), past_key_values=cache).logits
+            logits = model(input_ids=torch.tensor([step]), cache=cache).logits
             want.append(int(logits[0, -1].argmax()))
             step = [want[-1]]
     assert got == want
@@ -124,7 +124,7 @@ def test_forked_quantized_blocks_are_copied_with_their_scales(
     def run(storage: Any, cache: KvTierCache, ids: list[int]) -> torch.Tensor:
         cache.feed(ids)
         with torch.no_grad():
-            return model(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+            return model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
 
     ids = prompt(3, n=10)  # ends inside a block
     storage = make_storage(layout, 64)

@@ -39,10 +39,16 @@ _HOOK_ATTR = "_kvtier_cache_hook"
 
 
 def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """The KV block layout of a transformers decoder config (Llama family)."""
+    """The KV block layout of a transformers decoder config.
+
+    Raises :class:`ConfigError` for a model kvtier cannot serve exactly
+    (:func:`kvtier.engine.support.check_supported`).
+    """
     from kvtier.engine.model import geometry
+    from kvtier.engine.support import check_supported
 
     text = getattr(config, "text_config", None) or config  # vision-language: the decoder's
+    check_supported(lambda name: getattr(text, name, None))
     layers, _, kv_heads, head_dim = geometry(lambda name: getattr(text, name, None))
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
@@ -305,7 +311,7 @@ class KvTierCache(Cache):
             self._computed = p.end
             self._pass = None
             tiers = self._tiers
-            if tiers is not None and tiers.write_mode == "write_through":
+            if tiers is not None and tiers.writes_through:
                 self._write_through(tiers, p.start, p.end)
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
@@ -467,9 +473,16 @@ def _as_ids(token_ids: object, what: str) -> list[int]:
     return out
 
 
+#: The keyword a forward pass gets its cache under: ``cache`` from transformers
+#: 5.24 on (what ``generate`` passes), ``past_key_values`` before (deprecated since).
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, KvTierCache):
+    cache = next(
+        (c for c in (kwargs.get(k) for k in _CACHE_KWARGS) if isinstance(c, KvTierCache)), None
+    )
+    if cache is None:
         return
     ids = kwargs.get("input_ids")
     if ids is None and args:
@@ -485,8 +498,9 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 def attach(model: torch.nn.Module) -> torch.nn.Module:
     """Let ``model`` feed its input ids to a :class:`KvTierCache` (idempotent).
 
-    Needed for ``model.generate(..., past_key_values=cache)``: the cache must
-    know each generated token's id to publish the blocks it fills.
+    Needed for ``model.generate(..., cache=cache)`` (``past_key_values=cache``
+    before transformers 5.24): the cache must know each generated token's id
+    to publish the blocks it fills.
     """
     if not getattr(model, _HOOK_ATTR, False):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)

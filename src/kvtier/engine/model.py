@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.support import check_supported
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 
@@ -127,6 +128,10 @@ _GGUF_FIELDS = {
     "head_dim": "attention.key_length",
     "max_position_embeddings": "context_length",
     "vocab_size": "vocab_size",
+    "sliding_window": "attention.sliding_window",
+    "kv_lora_rank": "attention.kv_lora_rank",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "mamba_d_state": "ssm.state_size",
 }
 
 
@@ -136,8 +141,9 @@ def probe_model(
     """Read a model's geometry, context length and chat template in milliseconds.
 
     ``spec`` is what :func:`load_model` takes (``None``: the bundled default).
-    Raises :class:`ConfigError` for a missing or unreadable model, before any
-    weights are touched, so a server can check its configuration first.
+    Raises :class:`ConfigError` for a missing or unreadable model, or one
+    whose attention kvtier cannot serve exactly (:mod:`kvtier.engine.support`),
+    before any weights are touched, so a server can check its configuration first.
     """
     path, name = _locate(spec, model_id)
     get: Callable[[str], object]
@@ -148,6 +154,8 @@ def probe_model(
         arch = str(meta.get("general.architecture", "llama"))
 
         def get_gguf(field: str) -> object:
+            if field == "model_type":
+                return arch
             key = _GGUF_FIELDS.get(field)
             return None if key is None else meta.get(f"{arch}.{key}")
 
@@ -161,6 +169,7 @@ def probe_model(
             cfg = {**cfg, **cfg["text_config"]}
         get = cfg.get
         chat = _hf_chat_template(path)
+    check_supported(get, source=f"--model {path}")
     layers, heads, kv_heads, head_dim = geometry(get)
     positions = get("max_position_embeddings")
     vocab = get("vocab_size")
@@ -248,6 +257,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch_dtype = resolve_dtype(dtype)
+    probe_model(spec, model_id=model_id)  # refuses what cannot be served, before any weights
     if tokenizer is None:
         tokenizer = load_tokenizer(spec)
     path, name = _locate(spec, model_id)

@@ -1,0 +1,128 @@
+"""Which model architectures kvtier serves exactly, decided from the config alone.
+
+kvtier stores one K and one V per KV head for every token of every layer and
+lets every query attend to its sequence's whole past. That is exactly what a
+plain decoder with full causal attention computes, and nothing else: a
+sliding-window layer must forget tokens outside its window, a chunked local
+layer attends within its chunk, a linear-attention or Mamba layer keeps a
+fixed-size state instead of K/V, and multi-head latent attention (MLA) caches
+one compressed vector per token. Served through kvtier's blocks, such a model
+would answer differently from the model itself, without a word.
+
+:func:`check_supported` reads only config fields (a ``config.json``, a GGUF
+file's metadata or a loaded config object), so a server refuses a model it
+cannot serve exactly before any weight is read. Families are admitted by an
+allow-list of architectures whose attention is known to match, and even then
+a config that switches on a feature kvtier does not implement (a sliding
+window on Mistral or Qwen2, ``layer_types`` other than full attention) is
+refused, naming the attention type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.errors import ConfigError
+
+#: ``model_type`` values whose every layer is full causal attention over
+#: per-head K/V (with the feature checks below): served exactly.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+#: Known families kvtier does not serve yet, by the attention type that rules them out.
+_KNOWN_UNSUPPORTED = {
+    "sliding-window attention": (
+        "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss",
+        "cohere2", "mistral3", "ministral", "exaone4", "olmo3", "smollm3",
+    ),
+    "chunked local attention": ("llama4", "llama4_text"),
+    "linear attention (a hybrid model with a recurrent state per layer)": (
+        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+        "minimax", "lfm2", "lfm2_moe",
+    ),
+    "Mamba / state-space layers": (
+        "mamba", "mamba2", "jamba", "falcon_h1", "falcon_mamba", "bamba", "zamba",
+        "zamba2", "granitemoehybrid", "nemotron_h", "plamo2",
+    ),
+    "multi-head latent attention (MLA)": (
+        "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_linear", "longcat_flash",
+        "glm4_moe_lite",
+    ),
+}
+_FAMILY_OF = {t: kind for kind, types in _KNOWN_UNSUPPORTED.items() for t in types}
+
+#: A layer type in ``layer_types`` -> the attention type a refusal names.
+_LAYER_KIND = {
+    "sliding_attention": "sliding-window attention",
+    "chunked_attention": "chunked local attention",
+    "linear_attention": "linear attention",
+    "mamba": "Mamba / state-space layers",
+    "conv": "convolution layers with a recurrent state",
+}
+
+_ADVICE = (
+    "kvtier serves decoder-only models whose every layer is full causal attention "
+    f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); serve this model with an engine that "
+    "implements its attention, or pick a supported model"
+)
+
+
+def check_supported(get: Callable[[str], object], *, source: str = "the model") -> None:
+    """Raise :class:`ConfigError` unless kvtier computes exactly what this model computes.
+
+    ``get`` reads a config field (``None`` when absent), as for
+    :func:`kvtier.engine.model.geometry`. The check needs ``model_type``; a
+    config without one is refused too, since nothing says what it is.
+    """
+    model_type = get("model_type")
+    name = model_type if isinstance(model_type, str) and model_type else None
+    feature = _unsupported_feature(get)
+    if name is not None and name in _FAMILY_OF:
+        raise ConfigError(
+            f"{source} is a {name!r} model, which uses {_FAMILY_OF[name]}: "
+            f"not supported yet. {_ADVICE}"
+        )
+    if feature is not None:
+        what = f"a {name!r} model" if name else "a model"
+        raise ConfigError(f"{source} is {what} configured with {feature}: not supported. {_ADVICE}")
+    if name is None:
+        raise ConfigError(f"{source} does not say its model_type. {_ADVICE}")
+    if name not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source} is a {name!r} model, whose attention kvtier has not been checked "
+            f"against: it is refused rather than risk wrong answers. {_ADVICE}"
+        )
+
+
+def _unsupported_feature(get: Callable[[str], object]) -> str | None:
+    """The first config feature kvtier does not implement, described; ``None`` if none."""
+    layer_types = get("layer_types")
+    if isinstance(layer_types, (list, tuple)):
+        odd = sorted({str(t) for t in layer_types if t != "full_attention"})
+        if odd:
+            kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
+            return " and ".join(kinds) + f" (layer_types has {', '.join(odd)})"
+    window = get("sliding_window")
+    positions = get("max_position_embeddings")
+    if (
+        _positive(window)
+        and get("use_sliding_window") is not False
+        # A window at least as long as the context never hides a token.
+        and not (_positive(positions) and window >= positions)  # type: ignore[operator]
+    ):
+        return f"sliding-window attention (sliding_window={window})"
+    chunk = get("attention_chunk_size")
+    if _positive(chunk):
+        return f"chunked local attention (attention_chunk_size={chunk})"
+    if _positive(get("kv_lora_rank")):
+        return "multi-head latent attention (MLA: kv_lora_rank is set)"
+    for field in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if get(field) not in (None, 0, 0.0):
+            return f"attention logit soft-capping ({field}={get(field)})"
+    for field in ("layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg"):
+        if get(field) is not None:
+            return f"Mamba / state-space layers ({field} is set)"
+    return None
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

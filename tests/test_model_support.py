@@ -1,0 +1,177 @@
+"""Models whose attention kvtier does not implement are refused before any weight is read.
+
+kvtier's blocks hold full-attention K/V per KV head. A sliding-window,
+chunked, linear-attention, Mamba or MLA model served through them would
+answer differently from the model itself, so every entry point (probing a
+model directory, loading it, building an engine or a ``KvTierCache`` from a
+loaded model, ``kvtier serve --model DIR``) refuses such a model with a
+``ConfigError`` naming its attention type. The families that are admitted
+are checked here the other way round: tiny random models of each give the
+tokens Hugging Face's own greedy decoding gives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from tiny_model import solo_greedy, tiny_tokenizer  # noqa: E402
+
+from kvtier.cli import main  # noqa: E402
+from kvtier.engine import Engine, SamplingParams  # noqa: E402
+from kvtier.engine.model import load_model, probe_model  # noqa: E402
+from kvtier.engine.support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
+
+_SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def _config(cls_name: str, **fields: Any) -> Any:
+    cls = getattr(transformers, cls_name)
+    return cls(vocab_size=len(tiny_tokenizer()), **{**_SMALL, **fields})
+
+
+#: (config class, extra fields, words the refusal must contain)
+UNSUPPORTED = [
+    ("Gemma3TextConfig", {"sliding_window": 32, "head_dim": 16}, "sliding-window attention"),
+    ("GptOssConfig", {"sliding_window": 32, "head_dim": 16, "num_local_experts": 4},
+     "sliding-window attention"),
+    ("Llama4TextConfig", {"attention_chunk_size": 32, "head_dim": 16}, "chunked local attention"),
+    ("Qwen3NextConfig", {"head_dim": 16}, "linear attention"),
+    ("FalconH1Config", {"head_dim": 16}, "Mamba"),
+    ("JambaConfig", {}, "Mamba"),
+    ("DeepseekV3Config", {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                          "qk_nope_head_dim": 8, "v_head_dim": 16},
+     "multi-head latent attention"),
+    ("MistralConfig", {"sliding_window": 32}, "sliding-window attention"),
+    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
+     "sliding-window attention"),
+    ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
+     "sliding-window attention"),
+    ("Gemma2Config", {"head_dim": 16}, "sliding-window attention"),
+    ("GPT2Config", {}, "has not been checked"),
+]
+
+
+def _ids(case: tuple[str, dict[str, Any], str]) -> str:
+    return case[0].removesuffix("Config")
+
+
+@pytest.fixture(params=UNSUPPORTED, ids=_ids)
+def unsupported(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Any, str]:
+    cls_name, fields, needle = request.param
+    if not hasattr(transformers, cls_name):
+        pytest.fail(f"transformers {transformers.__version__} has no {cls_name}")
+    if cls_name == "GPT2Config":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
+    else:
+        config = _config(cls_name, **fields)
+    # Only the config is saved: if anything tried to read weights it would
+    # fail with a different error, so a refusal here happened before them.
+    config.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    return tmp_path, config, needle
+
+
+def test_probe_refuses_before_weights(unsupported: tuple[Path, Any, str]) -> None:
+    path, _, needle = unsupported
+    with pytest.raises(ConfigError, match=needle) as info:
+        probe_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_model_refuses_before_weights(unsupported: tuple[Path, Any, str]) -> None:
+    path, _, needle = unsupported
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_model(path)
+    assert "cannot load" not in str(info.value)  # never reached from_pretrained
+
+
+def test_serve_refuses_with_one_line(
+    unsupported: tuple[Path, Any, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, needle = unsupported
+    code = main(["serve", "--model", str(path), "--port", "0", "--pressure", "off"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.startswith("kvtier: error: ") and needle in err, err
+    assert "Traceback" not in err and "kvtier: loading" not in out
+
+
+@pytest.mark.parametrize(
+    "cls_name",
+    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV3Config", "MistralConfig"],
+)
+def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
+    """A model already in memory (no files to probe) is refused when the engine is built."""
+    fields = next(f for c, f, _ in UNSUPPORTED if c == cls_name)
+    config = _config(cls_name, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match="not supported"):
+        Engine(model, tiny_tokenizer(), model_id="refused", num_blocks=64, block_size=4)
+
+
+def test_a_config_without_model_type_is_refused() -> None:
+    fields = {"num_hidden_layers": 2, "num_attention_heads": 4}
+    with pytest.raises(ConfigError, match="model_type"):
+        check_supported(fields.get)
+
+
+def test_a_window_longer_than_the_context_never_binds() -> None:
+    """Mistral's 4k window on a 4k-position model hides nothing: served as full attention."""
+    fields = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}
+    check_supported(fields.get)
+    fields["max_position_embeddings"] = 32768
+    with pytest.raises(ConfigError, match="sliding_window=4096"):
+        check_supported(fields.get)
+
+
+def test_the_default_gguf_model_is_supported() -> None:
+    from needs import need_default_model
+
+    need_default_model()
+    info = probe_model(None)
+    assert info.num_layers == 30
+
+
+SUPPORTED = [
+    ("LlamaConfig", {}),
+    ("MistralConfig", {"sliding_window": None}),
+    ("Qwen2Config", {}),
+    ("Qwen3Config", {"head_dim": 16}),
+]
+
+
+def test_every_supported_family_is_exercised() -> None:
+    covered = {_config(name, **fields).model_type for name, fields in SUPPORTED}
+    assert covered == SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize(("cls_name", "fields"), SUPPORTED, ids=lambda v: str(v)[:12])
+def test_supported_families_give_hf_greedy_tokens(cls_name: str, fields: dict[str, Any]) -> None:
+    """Through the batched engine, twice (the second time from the cached prefix)."""
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = _config(cls_name, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompt = tok.encode("kvtier serves every layer with full attention, " * 3)
+    ref = solo_greedy(model, prompt, 12)
+    engine = Engine(model, tok, model_id=cls_name, num_blocks=128, block_size=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for attempt in range(2):
+        outs = list(engine.generate(prompt, params, request_id=f"{cls_name}-{attempt}"))
+        assert [t for o in outs for t in o.token_ids] == ref
+    assert outs[-1].metrics.cached_tokens > 0
