@@ -51,6 +51,8 @@ LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TE
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF
 
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
+	@# Build back-ends installed too, so `make lock` records the versions the builds used.
+	$(PIP) wheel scikit-build-core
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	  $(PIP) 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
 	$(PIP) -e '.[torch,serve,dev,redis,vllm,sglang,llama-cpp]'
@@ -108,6 +110,7 @@ test-pure: venv
 
 lint: venv
 	$(BIN)/ruff check src tests bench setup.py
+	$(BIN)/lint-imports
 
 typecheck: venv
 	$(BIN)/mypy

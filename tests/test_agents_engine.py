@@ -198,7 +198,7 @@ def test_prefetch_from_redis_lets_ready_requests_go_first(
     batch = eng._schedule(outs)
     # The prefetched request waits for its blocks; the ready one behind it runs now.
     assert [s.request_id for s, _ in batch] == [ready]
-    assert [s.request_id for s in eng._waiting] == [waiting]
+    assert [s.request_id for s in eng.queues.waiting] == [waiting]
     done: dict[str, list[int]] = {}
     # Steps while a Redis read is in flight produce nothing: bound by time, not steps.
     give_up = time.monotonic() + 120

@@ -203,10 +203,10 @@ def test_preemption_picks_the_newest_request(model_tok: tuple[Any, Any]) -> None
     preempted: list[str] = []
     got: dict[str, list[int]] = {old: [], new: []}
     while engine.has_unfinished():
-        before = {s.request_id: s.metrics.preemptions for s in engine._running}
+        before = {s.request_id: s.metrics.preemptions for s in engine.queues.running}
         for out in engine.step():
             got[out.request_id].extend(out.token_ids)
-        for s in engine._waiting:
+        for s in engine.queues.waiting:
             if s.metrics.preemptions > before.get(s.request_id, s.metrics.preemptions):
                 preempted.append(s.request_id)
     assert preempted and set(preempted) == {new}, preempted

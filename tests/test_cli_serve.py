@@ -42,6 +42,7 @@ def test_serve_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> Non
         "--policy",
         "--max-num-seqs",
         "--max-model-len",
+        "--default-max-tokens",
         "--no-prefix-caching",
         "--log-level",
         "--host-tier",

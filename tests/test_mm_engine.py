@@ -7,6 +7,7 @@ must differ per image from the placeholder on.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -153,12 +154,12 @@ def test_block_keys_differ_per_image_from_the_placeholder_on(llava: tuple[Any, A
     run(engine, ids, mm_a)
     rid = engine.add_request(ids, GREEDY, mm=mm_a2)
     engine.step()
-    cached_same = engine._by_id[rid][0].metrics.cached_tokens
+    cached_same = engine.queues.group(rid)[0].metrics.cached_tokens
     while engine.has_unfinished():
         engine.step()
     rid = engine.add_request(ids, GREEDY, mm=mm_b)
     engine.step()
-    cached_other = engine._by_id[rid][0].metrics.cached_tokens
+    cached_other = engine.queues.group(rid)[0].metrics.cached_tokens
     while engine.has_unfinished():
         engine.step()
     assert cached_same == (len(ids) - 1) // bs * bs
@@ -215,3 +216,30 @@ def test_a_request_with_images_does_not_move(llava: tuple[Any, Any]) -> None:
         migrate(src, dst, rid)
     while src.has_unfinished():
         src.step()
+
+
+def test_compress_request_finds_a_waiting_image_requests_blocks(llava: tuple[Any, Any]) -> None:
+    """The keys compress_request looks up are the ones admission uses: image keys included."""
+    from kvtier.offload.config import TierSpec
+
+    engine = make_engine(llava, tiers=[TierSpec("device", 2**20, codec="int8")])
+    bs = engine.manager.block_size
+    ids, mm = engine.encode_multimodal_chat(chat("compress what the image made"), [image(1)])
+    run(engine, ids, mm)  # its prompt's blocks stay cached
+    ids2, mm2 = engine.encode_multimodal_chat(chat("compress what the image made"), [image(1)])
+    rid = engine.add_request(ids2, GREEDY, mm=mm2)  # waiting: never stepped
+    n_full = len(ids2) // bs
+    first = mm2.placeholders[0].offset // bs
+    assert 0 < first < n_full // 2
+    # The first request cached its prompt and all but its last generated token.
+    cached = (len(ids) + GREEDY.max_tokens - 1) // bs
+    # Half of the waiting request's chain (and every block below it) moves: the
+    # chain is all of its prompt's blocks, the image's included, so the moved
+    # half starts past the image; keyed without the image it would be the
+    # text before the image, and the half would start inside that text.
+    moved = engine.compress_request(rid, 0.5)
+    assert moved.blocks == cached - (n_full - math.ceil(n_full / 2))
+    while engine.has_unfinished():
+        engine.step()
+    engine.manager.check()
+    engine.close()

@@ -16,6 +16,7 @@ kvtier`` stays light: ``kvtier.KVBlockStorage`` (:mod:`kvtier.storage`),
 """
 
 from kvtier._lazy import lazy_exports
+from kvtier._version import __version__
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     AdmissionRejectedError,
@@ -39,7 +40,14 @@ from kvtier.integrations.errors import (
 )
 from kvtier.keys import HASH_ALGORITHMS, KEY_FORMAT_VERSION, BlockHasher, Namespace
 from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout, cdiv
-from kvtier.manager import Allocation, CacheStats, Extension, KVCacheManager, PressureEvent
+from kvtier.manager import (
+    Allocation,
+    CacheStats,
+    Extension,
+    KVCacheManager,
+    PrefixMatch,
+    PressureEvent,
+)
 from kvtier.offload import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvtier.placement import DevicePool, Growth, Move, MultiDeviceManager, Placement
 from kvtier.policy import (
@@ -89,8 +97,6 @@ from kvtier.replay import (
     simulate,
     simulate_cluster,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "HASH_ALGORITHMS",
@@ -145,6 +151,7 @@ __all__ = [
     "OutOfBlocksError",
     "OversizeError",
     "PolicyBase",
+    "PrefixMatch",
     "PressureEvent",
     "HostMemoryMonitor",
     "Ladder",

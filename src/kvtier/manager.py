@@ -24,7 +24,6 @@ from typing import Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
-from kvtier.agents.hints import parse_hints
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     BadRequestError,
@@ -34,6 +33,7 @@ from kvtier.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
+from kvtier.hints import Hints, parse_hints
 from kvtier.keys import (
     BlockHasher,
     ExtraKey,
@@ -72,6 +72,45 @@ class Allocation:
     block_table: BlockTable
     #: Physical blocks newly allocated for this request (the rest were hits).
     new_blocks: list[int]
+
+
+class TierIndex(Protocol):
+    """What :meth:`KVCacheManager.match` asks of the tiers below the device (a ``TierChain``)."""
+
+    def lookup(self, keys: Sequence[int]) -> list[int]:
+        """For each leading key some tier holds ready, the index of the first such tier."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A request's prefix as :meth:`KVCacheManager.match` found it.
+
+    The block keys are computed once, here, and kept with the request:
+    :meth:`KVCacheManager.allocate` takes the match instead of hashing the
+    tokens again, and :meth:`KVCacheManager.rematch` refreshes the hits of
+    a request that waited without hashing anything.
+    """
+
+    #: Tokens matched (the request's whole prompt, or its tokens so far).
+    num_tokens: int
+    #: Keys of every full block of those tokens.
+    keys: tuple[int, ...]
+    extra: tuple[ExtraKey, ...]
+    items: tuple[ItemKey, ...]
+    #: The agent hints, parsed and checked once (``None``: none given).
+    hints: Mapping[str, object] | None
+    #: Leading blocks cached on the device (never the block of the last token).
+    device_blocks: int
+    #: Blocks after those that a tier below the device holds ready (0 without tiers).
+    tier_blocks: int
+    #: For each of those tier blocks, the index of the first tier holding it.
+    tier_plan: tuple[int, ...] = ()
+
+    @property
+    def hit_blocks(self) -> int:
+        """Leading blocks whose K/V need not be computed (device and tiers)."""
+        return self.device_blocks + self.tier_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +284,11 @@ class KVCacheManager:
     def __len__(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the device pool."""
+        return self.pool.num_blocks
+
     def request_ids(self) -> Iterator[RequestId]:
         return iter(list(self._requests))
 
@@ -340,6 +384,64 @@ class KVCacheManager:
             self._above_watermark = False
 
     # -- the request lifecycle ----------------------------------------------------
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        extra_keys: Sequence[ExtraKey] = (),
+        item_keys: Sequence[ItemKey] = (),
+        hints: Mapping[str, object] | Hints | None = None,
+        tiers: TierIndex | None = None,
+    ) -> PrefixMatch:
+        """Hash a request's tokens once and find its cached prefix on the device and tiers.
+
+        Bad input (empty or invalid token ids, malformed item keys or hints)
+        raises :class:`BadRequestError`; nothing changes either way. Pass the
+        result to :meth:`allocate` (which then hashes nothing) and keep it:
+        :meth:`rematch` refreshes its hits later.
+        """
+        extra = tuple(extra_keys)
+        items = check_item_keys(item_keys) if item_keys else ()
+        checked: Mapping[str, object] | None = None
+        if hints is not None:
+            parsed = parse_hints(hints, where="hints")
+            checked = None if parsed is None else parsed.as_dict()
+        if isinstance(token_ids, (str, bytes)) or len(token_ids) == 0:
+            _token_array(token_ids, "token_ids")  # raises the right error
+        n = len(token_ids)
+        bs = self.block_size
+        try:
+            keys = self.hasher.chain(
+                token_ids, extra=extra, block_extra=item_block_extra(items, 0, n // bs, bs)
+            )
+        except BadRequestError:
+            _token_array(token_ids, "token_ids")  # a precise message
+            raise
+        _token_array(token_ids[(n // bs) * bs :], "token_ids", allow_empty=True)
+        return self._hits(PrefixMatch(n, tuple(keys), extra, items, checked, 0, 0), tiers)
+
+    def rematch(self, match: PrefixMatch, tiers: TierIndex | None = None) -> PrefixMatch:
+        """``match`` with its device and tier hits as they are now (nothing is hashed)."""
+        return self._hits(match, tiers)
+
+    def _hits(self, match: PrefixMatch, tiers: TierIndex | None) -> PrefixMatch:
+        limit = (match.num_tokens - 1) // self.block_size
+        keys = match.keys
+        device = len(self.pool.lookup(keys[:limit]))
+        plan: list[int] = []
+        if tiers is not None and device < limit:
+            plan = tiers.lookup(keys[device:limit])
+        return PrefixMatch(
+            match.num_tokens,
+            keys,
+            match.extra,
+            match.items,
+            match.hints,
+            device,
+            len(plan),
+            tuple(plan),
+        )
+
     def allocate(
         self,
         request_id: RequestId,
@@ -350,6 +452,7 @@ class KVCacheManager:
         hints: Mapping[str, object] | None = None,
         request_keys: Sequence[int] | None = None,
         item_keys: Sequence[ItemKey] = (),
+        match: PrefixMatch | None = None,
     ) -> Allocation:
         """Start a request: reuse its longest cached prefix and allocate the rest.
 
@@ -357,7 +460,7 @@ class KVCacheManager:
         block key. ``block_keys`` may carry keys the caller already computed with
         ``self.hasher.chain`` for the full blocks of ``token_ids`` (a scheduler
         hashes a request once, on arrival); only the partial tail is then read.
-        ``hints`` (the agent hints of :mod:`kvtier.agents.hints`; unknown or
+        ``hints`` (the agent hints of :mod:`kvtier.hints`; unknown or
         malformed ones raise :class:`BadRequestError` before anything changes)
         go to a request-aware policy's ``on_request`` with the keys;
         an engine that allocates a long prompt chunk by chunk passes the whole
@@ -369,6 +472,11 @@ class KVCacheManager:
         allocated now and those later tokens fill. The last prompt token is never
         reported cached: the engine needs at least one token to compute logits
         from.
+
+        ``match`` (from :meth:`match` over these tokens, or over tokens they
+        begin) replaces ``extra_keys``, ``item_keys``, ``hints``,
+        ``block_keys`` and ``request_keys``: its keys, already checked input
+        and parsed hints are used as they are.
         """
         try:
             live = request_id in self._requests
@@ -376,13 +484,25 @@ class KVCacheManager:
             raise BadRequestError(f"request id {request_id!r} is not hashable") from None
         if live:
             raise DuplicateRequestError(request_id)
-        checked: Mapping[str, object] | None = None
-        if hints is not None:
-            parsed = parse_hints(hints, where="hints")
-            checked = None if parsed is None else parsed.as_dict()
         bs = self.block_size
-        extra = tuple(extra_keys)
-        items = check_item_keys(item_keys) if item_keys else ()
+        checked: Mapping[str, object] | None = None
+        if match is not None:
+            if len(token_ids) > match.num_tokens or len(token_ids) == 0:
+                raise BadRequestError(
+                    f"allocate got {len(token_ids)} tokens for a match of "
+                    f"{match.num_tokens}: give the matched tokens or a non-empty prefix of them"
+                )
+            checked = match.hints
+            extra = match.extra
+            items = match.items
+            block_keys = match.keys[: len(token_ids) // bs]
+            request_keys = match.keys
+        else:
+            if hints is not None:
+                parsed = parse_hints(hints, where="hints")
+                checked = None if parsed is None else parsed.as_dict()
+            extra = tuple(extra_keys)
+            items = check_item_keys(item_keys) if item_keys else ()
         if isinstance(token_ids, (str, bytes)) or len(token_ids) == 0:
             _token_array(token_ids, "token_ids")  # raises the right error
         n = len(token_ids)

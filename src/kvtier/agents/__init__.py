@@ -15,11 +15,11 @@ from kvtier.agents.graph import (
     parse_workflow,
     sequential,
 )
-from kvtier.agents.hints import HINT_NAMES, MAX_TTL_S, Hints, parse_hints
 from kvtier.agents.tracker import WorkflowTracker
+from kvtier.hints import HINT_NAMES, MAX_TTL_S, Hints, parse_hints
 
-# The policy module imports kvtier.policy, which registers it: loaded on first
-# use so that importing the hints (as the manager does) cannot cycle.
+# The workflow policy registers itself with kvtier.policy when its module is
+# imported (make_policy("workflow") imports it); loaded here on first use.
 __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),

@@ -17,11 +17,11 @@ from dataclasses import replace
 from typing import Any
 
 from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState
-from kvtier.agents.hints import Hints
 from kvtier.agents.policy import workflow_policy_of
 from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import BadRequestError, ConfigError
+from kvtier.hints import Hints
 
 #: Agents whose last prompt is remembered for prefetch, at most.
 MAX_REMEMBERED = 10_000

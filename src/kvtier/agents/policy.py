@@ -45,12 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvtier.agents.graph import FAR
-from kvtier.agents.hints import Hints, parse_hints
 from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import ConfigError, InternalInvariantError
+from kvtier.hints import Hints, parse_hints
+from kvtier.policy.admission import with_admission
 from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.guard import LRUGuard
-from kvtier.policy.registry import make_policy
+from kvtier.policy.registry import make_policy, register_policy
 
 #: The class of keys no hint ranks (and of every key without hints).
 DEFAULT = 1
@@ -688,3 +689,6 @@ def workflow_policy_of(policy: object) -> WorkflowPolicy | None:
         return policy
     inner = getattr(policy, "policy", None)
     return inner if isinstance(inner, WorkflowPolicy) else None
+
+
+register_policy(WorkflowPolicy.name, with_admission(WorkflowPolicy))

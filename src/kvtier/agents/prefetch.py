@@ -178,11 +178,7 @@ class Prefetcher:
         try:
             loaded = engine.tier_chain.finish_load(f.pending)
         finally:
-            unready = engine._unready
-            for key in f.keys:
-                unready[key] -= 1
-                if unready[key] <= 0:
-                    del unready[key]
+            engine.queues.unready.release(f.keys)
             # Blocks that did not load are withdrawn; the rest stay cached for the agent.
             bs = engine.manager.block_size
             engine.manager.abort(f.request_id, (f.device_blocks + loaded) * bs)
@@ -208,7 +204,7 @@ class Prefetcher:
             if dev >= len(keys):
                 continue
             rest = keys[dev:]
-            if any(k in engine._unready for k in rest):
+            if engine.queues.unready.any(rest):
                 continue  # being computed or loaded already
             t = len(tiers.lookup(rest))
             if t:
@@ -255,7 +251,7 @@ class Prefetcher:
             manager.abort(rid, 0)
             return
         loading = list(keys[dev : dev + n])
-        engine._unready.update(loading)
+        engine.queues.unready.hold(loading)
         nbytes = n * bpb
         self._fetches.append(_Fetch(rid, c.agent, c.distance, loading, dev, nbytes, pending))
         cnt = self.counters

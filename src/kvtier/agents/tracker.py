@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvtier.agents.graph import FAR, WorkflowSpec, WorkflowState
-from kvtier.agents.hints import Hints
 from kvtier.errors import BadRequestError, ConfigError
+from kvtier.hints import Hints
 
 #: Workflows one tracker holds at most (a registration past it is refused).
 MAX_WORKFLOWS = 100_000

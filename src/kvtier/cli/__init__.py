@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvtier import __version__
+from kvtier._version import __version__
 from kvtier.cli import config_file, info, replay, serve
 from kvtier.errors import KvTierError
 from kvtier.units import parse_memory_size

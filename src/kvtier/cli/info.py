@@ -7,7 +7,7 @@ import importlib.util
 import json
 import platform
 
-from kvtier import __version__
+from kvtier._version import __version__
 from kvtier.keys import HASH_ALGORITHMS
 from kvtier.policy import available_policies
 

@@ -41,6 +41,12 @@ log = logging.getLogger("kvtier.serve")
 #: The exit status when the engine thread dies (EX_SOFTWARE): a supervisor should restart.
 EXIT_ENGINE_FAILED = 70
 
+#: ``--default-max-tokens``: long enough for a whole chat answer, short enough that a small
+#: model looping on CPU (about 10 tokens/s) answers within a minute instead of filling its
+#: context. Equal to ServerLimits.default_max_tokens, which stays importable without the
+#: serve extras' dependencies.
+DEFAULT_MAX_TOKENS = 512
+
 _EPILOG = """\
 The server speaks OpenAI's API: point any OpenAI client at http://HOST:PORT/v1
 (the API key is not checked). Besides /v1/chat/completions, /v1/completions and
@@ -80,8 +86,10 @@ examples:
   kvtier serve --kv-cache-dtype int8 --kv-cache-memory 256MiB
   kvtier serve --tier device:256MiB --tier host:2GiB
   kvtier serve --model ./Qwen2.5-0.5B-Instruct --served-model-name qwen --dtype bfloat16
+  kvtier serve --default-max-tokens 0    # no cap for requests without max_tokens
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+    -d '{"model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperature": 0,
+         "messages": [{"role": "user", "content": "Hi"}]}'
 """
 
 
@@ -207,12 +215,45 @@ def image_limits(args: argparse.Namespace) -> Any:
 def server_limits(args: argparse.Namespace) -> Any:
     from kvtier.server.limits import ServerLimits
 
+    if args.default_max_tokens < 0:
+        raise ConfigError(
+            f"--default-max-tokens must be 0 (no cap: up to the context) or a positive number "
+            f"of tokens, got {args.default_max_tokens}"
+        )
     return ServerLimits(
         max_body_bytes=args.max_request_bytes,
         max_prompt_chars=args.max_prompt_chars,
         max_messages=args.max_messages,
         max_queued=args.max_queued_requests,
         body_timeout_s=args.request_timeout,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
+def _integer(text: str) -> int:
+    """Any integer; the flag's own range is checked with the other settings."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"expected an integer, got {text!r}") from None
+
+
+def default_max_tokens_line(limits: Any, max_model_len: int) -> str:
+    """What a request that sends no ``max_tokens`` gets, for the startup banner."""
+    from kvtier.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS
+
+    cap = limits.default_max_tokens
+    if not cap:
+        return (
+            "requests without max_tokens: chat completions run up to the context "
+            f"({max_model_len} tokens with the prompt; --default-max-tokens 0), "
+            f"/v1/completions OpenAI's {DEFAULT_COMPLETION_MAX_TOKENS}"
+        )
+    if cap < DEFAULT_COMPLETION_MAX_TOKENS:
+        return f"requests without max_tokens: at most {cap} tokens (--default-max-tokens)"
+    return (
+        f"requests without max_tokens: at most {cap} tokens (--default-max-tokens; "
+        f"/v1/completions keeps OpenAI's {DEFAULT_COMPLETION_MAX_TOKENS})"
     )
 
 
@@ -357,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
             # Listen now, so a client told the address below is queued, never refused.
             sock.listen(uv_config.backlog)
             url = _client_url(args.host, sock.getsockname()[1])
+            print(f"kvtier: {default_max_tokens_line(limits, engine.max_model_len)}", flush=True)
             print(
                 f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
                 f"try: curl {url}/v1/models)",
@@ -506,6 +548,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         metavar="P",
         help="top_p for requests that send none (default: the model's recommendation, "
         "0.9 for the bundled SmolLM2; else 1.0)",
+    )
+    serve.add_argument(
+        "--default-max-tokens",
+        type=arg(_integer, "integer"),
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help="most tokens a request that sends no max_tokens (nor max_completion_tokens) "
+        f"generates (default {DEFAULT_MAX_TOKENS}; 0: no cap, a chat completion runs up to "
+        "the context as OpenAI's does; /v1/completions keeps OpenAI's 16 when that is fewer). "
+        "A request's own max_tokens is never capped by it",
     )
     serve.add_argument(
         "--no-prefix-caching",

@@ -49,14 +49,12 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvtier.agents.attach import AgentSupport
-from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -66,7 +64,8 @@ from kvtier.engine.config import (
 )
 from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.hf_cache import layout_for_model
-from kvtier.engine.paged import BatchMeta, SeqSlice, install
+from kvtier.engine.paged import install
+from kvtier.engine.queues import RequestQueues
 from kvtier.engine.request import (
     EngineCounters,
     RequestMetrics,
@@ -75,6 +74,7 @@ from kvtier.engine.request import (
 from kvtier.engine.request import (
     Sequence as Seq,
 )
+from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.errors import (
     AdmissionRejectedError,
@@ -84,9 +84,10 @@ from kvtier.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvtier.keys import Namespace, item_block_extra
+from kvtier.hints import Hints, parse_hints
+from kvtier.keys import Namespace
 from kvtier.layout import cache_layout
-from kvtier.manager import KVCacheManager
+from kvtier.manager import KVCacheManager, PrefixMatch
 from kvtier.offload.chain import CompressionResult, Tier, TierChain
 from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
@@ -157,7 +158,6 @@ class Engine:
                 f"max_num_batched_tokens must be an integer of at least max_num_seqs "
                 f"({max_num_seqs}), so every running request decodes each step; got {budget!r}"
             )
-        self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
         param = next(model.parameters())
@@ -211,9 +211,9 @@ class Engine:
         #: KV events (blocks stored / removed) published in vLLM's format (``None``: off).
         self.events: Any = None
         if kv_events is not None:
-            from kvtier.integrations.vllm.events import KvEventPublisher
+            from kvtier.events import make_event_sink
 
-            self.events = KvEventPublisher(kv_events, topic="kv-events", block_size=block_size)
+            self.events = make_event_sink(kv_events, topic="kv-events", block_size=block_size)
             self.manager.record_events()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -230,15 +230,11 @@ class Engine:
             model, tokenizer, model_id, image_processor, encoder_cache
         )
         self.counters = EngineCounters()
-        self._waiting: deque[Seq] = deque()
-        #: Admitted sequences (computing, or loading their prefix), oldest first.
-        self._running: list[Seq] = []
-        #: request id -> its sequences (one per choice once forked).
-        self._by_id: dict[str, list[Seq]] = {}
-        #: Published keys whose blocks do not hold valid K/V yet (count of owners).
-        self._unready: collections.Counter[int] = collections.Counter()
+        #: Runs the forward passes and samples (:mod:`kvtier.engine.runner`).
+        self.runner = ModelRunner(model, self.storage, self.vlm)
+        #: Who waits, who runs, and the prefixes not computed yet (:mod:`kvtier.engine.queues`).
+        self.queues = RequestQueues()
         self._ids = itertools.count()
-        self._order = itertools.count()
         #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
         self.agents = AgentSupport(self)
         #: Block keys of recently finished requests (request id -> one chain per
@@ -248,7 +244,6 @@ class Engine:
         )
         #: Forward passes run, and tokens they computed (for the batch-size metrics).
         self.steps = 0
-        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         policy_name = policy if isinstance(policy, str) else getattr(policy, "name", "custom")
         #: The configuration this engine runs with, as data.
         self.config = EngineConfig(
@@ -274,6 +269,15 @@ class Engine:
             sampling_defaults=dict(self.sampling_defaults),
             kv_events=kv_events,
         )
+
+    @property
+    def model(self) -> Any:
+        """The model the runner runs (replaceable, e.g. by a wrapper that injects faults)."""
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.runner.model = model
 
     @classmethod
     def from_config(
@@ -461,24 +465,29 @@ class Engine:
         arrival_time: float | None = None,
         mm: Any = None,
         hints: Hints | dict[str, object] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises :class:`BadRequestError` for bad input.
 
         ``mm`` is the request's :class:`~kvtier.mm.prompt.MultimodalPrompt`
         (from :meth:`encode_multimodal_chat`), for a prompt with images.
-        ``hints`` are the agent hints of :mod:`kvtier.agents.hints` (a mapping
+        ``hints`` are the agent hints of :mod:`kvtier.hints` (a mapping
         or :class:`~kvtier.agents.Hints`); unknown or malformed ones are refused.
+        ``cache_salt`` (vLLM's field) is mixed into every block key of the
+        request: its prefix is shared only with requests of the same salt, on
+        the device and on every tier.
         """
         params = params or SamplingParams()
         ids = list(prompt_ids)
         checked = parse_hints(hints, where="hints")
+        check_cache_salt(cache_salt)
         self.check_request(ids, params)
         if mm is not None:
             from kvtier.mm.engine import check_multimodal
 
             check_multimodal(self, ids, mm)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._by_id:
+        if rid in self.queues:
             raise BadRequestError(f"request id {rid!r} is already in the engine")
         now = time.perf_counter() if arrival_time is None else arrival_time
         seq = Seq(
@@ -491,17 +500,17 @@ class Engine:
             seq_id=rid,
             forked=params.n == 1,
             hints=checked,
+            cache_salt=cache_salt,
         )
         seq.mm = mm
-        self._waiting.append(seq)
-        self._by_id[rid] = [seq]
+        self.queues.add(seq)
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(ids)
         return rid
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (every choice) at the next step; its computed blocks stay cached."""
-        for seq in self._by_id.get(request_id, ()):
+        for seq in self.queues.group(request_id):
             seq.cancelled = True
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -511,16 +520,14 @@ class Engine:
         nothing a failed pass half wrote can be served later.
         """
         outs: list[RequestOutput] = []
-        for seq in [*self._waiting, *self._running]:
+        for seq in list(self.queues.all()):
             try:
                 self._finish(seq, "error", "", outs, error=error)
             except Exception:
                 log.exception("could not end request %s cleanly", seq.request_id)
                 seq.table = None
-                for q in (self._waiting, self._running):
-                    if seq in q:
-                        q.remove(seq)
-                self._by_id.pop(seq.request_id, None)
+                self.queues.remove(seq)
+                self.queues.forget(seq.request_id)
                 if seq.mm is not None:
                     seq.mm.release()
                 outs.append(
@@ -531,7 +538,7 @@ class Engine:
         return outs
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.queues.has_unfinished()
 
     def background_pending(self) -> bool:
         """Whether an idle engine still has work to poll: prefetches, or tier stores they wait on.
@@ -579,14 +586,15 @@ class Engine:
                 "compressing a request's blocks needs a compressed device tier: "
                 "add --tier device:SIZE (TierSpec('device', size, codec='int8'))"
             )
-        seqs = self._by_id.get(request_id)
+        seqs = self.queues.group(request_id)
         if seqs:
-            if any(s in self._running for s in seqs):
+            if any(self.queues.is_running(s) for s in seqs):
                 raise BadRequestError(
                     f"request {request_id!r} is running: compress it once it has finished "
                     "or while it waits"
                 )
-            chains = [self.manager.hasher.chain(s.tokens) for s in seqs]
+            # The keys admission uses (extra and image keys included), kept on each sequence.
+            chains = [list(self._match(s, None).keys) for s in seqs]
         else:
             found = self._finished_keys.get(request_id)
             if found is None:
@@ -613,26 +621,26 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self.queues.num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return self.queues.num_running
 
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one forward pass over every scheduled sequence."""
         outs: list[RequestOutput] = []
         self.poll_background()
-        for seq in [s for s in (*self._waiting, *self._running) if s.cancelled]:
+        for seq in [s for s in self.queues.all() if s.cancelled]:
             self._finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
         batch = self._schedule(outs)
         if batch:
             self._execute(batch, outs)
-        elif any(s.load is not None for s in self._running):
+        elif any(s.load is not None for s in self.queues.running):
             # Nothing can compute until a load is in: wait for one instead of spinning.
             self._finish_loads(outs, wait=True)
-        elif self._waiting:
+        elif self.queues.num_waiting:
             self.agents.wait()  # the waiting requests need blocks a prefetch is loading
         if self.events is not None:
             self._publish_events()
@@ -670,12 +678,13 @@ class Engine:
     def _schedule(self, outs: list[RequestOutput]) -> list[tuple[Seq, int]]:
         """The sequences this step computes and how many tokens each (see the module docstring)."""
         batch: list[tuple[Seq, int]] = []
+        queues = self.queues
         decodes = sum(
-            1 for s in self._running if s.load is None and s.num_tokens - s.computed == 1
+            1 for s in queues.running if s.load is None and s.num_tokens - s.computed == 1
         )
         budget = self.max_num_batched_tokens - decodes  # for prompt chunks; decodes always run
-        for seq in list(self._running):
-            if seq not in self._running or seq.load is not None:
+        for seq in list(queues.running):
+            if not queues.is_running(seq) or seq.load is not None:
                 continue  # preempted by an older sequence, or still loading
             n = seq.num_tokens - seq.computed
             if n > 1:
@@ -688,22 +697,22 @@ class Engine:
             if n > 1 or seq.num_tokens - seq.computed > 1:
                 budget -= n
         deferred: list[Seq] = []
-        while self._waiting and budget > 0:
-            seq = self._waiting[0]
+        while queues.num_waiting and budget > 0:
+            seq = queues.waiting[0]
             group = 1 if seq.forked else seq.params.n
-            if len(self._running) + group > self.max_num_seqs:
+            if queues.num_running + group > self.max_num_seqs:
                 break  # a request's choices start together, once there is room for all
             got = self._admit(seq, budget, outs)
             if got is None:
                 break  # it waits (for blocks, a prefix being computed, memory pressure)
             if got == _DEFERRED:
                 # Its blocks are still being prefetched: requests that are ready go first.
-                deferred.append(self._waiting.popleft())
+                deferred.append(queues.pop_head())
                 continue
             if got > 0:
                 batch.append((seq, got))
                 budget -= got
-        self._waiting.extendleft(reversed(deferred))
+        queues.put_back(deferred)
         return batch
 
     def _grow(
@@ -720,9 +729,9 @@ class Engine:
             except OutOfBlocksError:
                 if self.agents.drain():
                     continue  # prefetches held blocks; landed, they are evictable
-                victim = self._running[-1]
+                victim = self.queues.newest_running()
                 if victim is seq:
-                    if len(self._running) == 1:
+                    if self.queues.num_running == 1:
                         self._finish(
                             seq,
                             "error",
@@ -752,59 +761,40 @@ class Engine:
         tokens = seq.tokens
         n = len(tokens)
         bs = self.manager.block_size
-        extra: tuple[str, ...] = () if self.prefix_caching else (
-            f"private:{seq.seq_id}:{seq.admissions}",
-        )
-        items = seq.mm.item_keys if seq.mm is not None else ()
-        keys = self.manager.hasher.chain(
-            tokens, extra=extra, block_extra=item_block_extra(items, 0, n // bs, bs)
-        )
-        limit = (n - 1) // bs  # the last token is always computed: its logits are needed
-        device_hit = len(self.manager.pool.lookup(keys[:limit])) if self.prefix_caching else 0
-        if any(k in self._unready for k in keys[:device_hit]):
+        match = self._match(seq, self.tier_chain)
+        keys = match.keys
+        device_hit, tier_hit = match.device_blocks, match.tier_blocks
+        if self.queues.unready.any(keys[:device_hit]):
             if self.agents.deferred(keys[:device_hit]):
                 return _DEFERRED
             return None  # another request is computing (or loading) this prefix: wait for it
-        tier_hit = 0
-        if self.tier_chain is not None and self.prefix_caching and device_hit < limit:
-            tier_hit = len(self.tier_chain.lookup(keys[device_hit:limit]))
         hit = (device_hit + tier_hit) * bs
         upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
         swapped = seq.swapped
         if swapped is not None and swapped.tail_key is not None:
             upto = max(upto, min(n, swapped.num_computed_tokens + 1))
         try:
-            alloc = self.manager.allocate(
-                seq.seq_id,
-                tokens[:upto],
-                extra_keys=extra,
-                block_keys=keys[: upto // bs],
-                request_keys=keys,
-                item_keys=items,
-                hints=None if seq.hints is None or seq.admissions else seq.hints.as_dict(),
-            )
+            alloc = self.manager.allocate(seq.seq_id, tokens[:upto], match=match)
         except OutOfBlocksError as exc:
-            if self._running or self.agents.drain():
+            if self.queues.num_running or self.agents.drain():
                 return None  # wait for running requests (or prefetches) to free blocks
-            self._waiting.popleft()
+            self.queues.pop_head()
             self._finish(seq, "error", "", outs, error=f"out of KV cache blocks: {exc}")
             return 0
         except AdmissionRejectedError as exc:
             if self._hold_back(seq, exc):
                 return None
-            self._waiting.popleft()
+            self.queues.pop_head()
             self.counters.rejected += 1
             self._finish(seq, "rejected", "", outs, error=str(exc))
             return 0
-        self._waiting.popleft()
+        self.queues.admit_head()
         seq.delayed_since = None
         seq.table = alloc.block_table
         seq.known = upto
         seq.computed = alloc.num_cached_tokens
         seq.admit_len = n
         seq.admissions += 1
-        seq.order = next(self._order)
-        self._running.append(seq)
         m = seq.metrics
         first = m.first_scheduled_time is None
         if first:
@@ -822,12 +812,38 @@ class Engine:
         left = seq.known - seq.computed
         return left if left > 0 else 0
 
+    def _match(self, seq: Seq, tiers: TierChain | None) -> PrefixMatch:
+        """``seq``'s prefix match; its keys are hashed once and kept on it while it waits.
+
+        Without prefix caching every admission gets keys of its own (nothing
+        is shared), so nothing is looked up in the tiers either. The agent
+        hints reach the policy with the first admission only.
+        """
+        tokens = seq.tokens
+        private = not self.prefix_caching
+        extra: tuple[str, ...] = (f"private:{seq.seq_id}:{seq.admissions}",) if private else ()
+        if seq.cache_salt is not None:
+            extra = (*extra, f"salt:{seq.cache_salt}")
+        tiers = None if private else tiers
+        kept = seq.match
+        if kept is not None and kept.num_tokens == len(tokens) and kept.extra == extra:
+            if seq.admissions and kept.hints is not None:
+                kept = dataclasses.replace(kept, hints=None)
+            seq.match = match = self.manager.rematch(kept, tiers)
+            return match
+        items = seq.mm.item_keys if seq.mm is not None else ()
+        hints = None if seq.admissions else seq.hints
+        seq.match = match = self.manager.match(
+            tokens, extra_keys=extra, item_keys=items, hints=hints, tiers=tiers
+        )
+        return match
+
     def _finish_loads(self, outs: list[RequestOutput], *, wait: bool) -> None:
         """Install the prefix loads that are in (with ``wait``, the oldest at least)."""
         tiers = self.tier_chain
         if tiers is None:
             return
-        for seq in list(self._running):
+        for seq in list(self.queues.running):
             pending = seq.load
             if pending is None or (not wait and not tiers.load_done(pending)):
                 continue
@@ -867,18 +883,15 @@ class Engine:
 
     def _mark_unready(self, seq: Seq) -> None:
         """Track the keys ``seq`` published whose blocks are not computed (or loaded) yet."""
-        unready = self._unready
-        for key in seq.unready:
-            unready[key] -= 1
-            if not unready[key]:
-                del unready[key]
+        unready = self.queues.unready
+        unready.release(seq.unready)
         bs = self.manager.block_size
         if seq.table is None or seq.known // bs <= seq.computed // bs:
             seq.unready = []
             return
         keys = self.manager.block_keys(seq.seq_id)
         seq.unready = keys[seq.computed // bs : seq.known // bs]
-        unready.update(seq.unready)
+        unready.hold(seq.unready)
 
     def _hold_back(self, seq: Seq, exc: AdmissionRejectedError) -> bool:
         """Whether a request refused by memory pressure waits (True) or fails.
@@ -895,75 +908,35 @@ class Engine:
         waited = now - seq.delayed_since
         if seq.admissions == 0 and (not exc.retry or waited >= max_wait):
             return False
-        if not self._running and ctrl is not None:
+        if not self.queues.num_running and ctrl is not None:
             # Nothing here will free memory: wait (briefly) for the sampler's next reading.
             ctrl.wait_admissible(min(ctrl.interval, max(max_wait - waited, 0.0)))
         return True
 
     # -- the forward pass ------------------------------------------------------------------
     def _execute(self, batch: list[tuple[Seq, int]], outs: list[RequestOutput]) -> None:
-        """One forward pass over ``batch``; then advance, sample, and finish what ended."""
-        if any(seq.mm is not None for seq, _ in batch):
-            from kvtier.mm.engine import fetch_features
-
-            batch = fetch_features(self, batch, outs)
-            if not batch:
-                return
-        ids: list[int] = []
-        positions: list[int] = []
-        slices: list[SeqSlice] = []
-        rows: list[int] = []
-        samplers: list[Seq] = []
-        for seq, n in batch:
-            assert seq.table is not None
-            start = seq.computed
-            ids.extend(seq.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            slices.append(SeqSlice(start, n, seq.table.slot_mapping(0, start + n)))
-            if start + n == seq.num_tokens:  # its whole sequence is in: it samples
-                rows.append(len(ids) - 1)
-                samplers.append(seq)
-        try:
-            meta = BatchMeta(self.storage, slices)
-            inputs: dict[str, torch.Tensor] = {
-                "input_ids": torch.tensor([ids], dtype=torch.long, device=self.device)
-            }
-            if any(seq.mm is not None for seq, _ in batch):
-                from kvtier.mm.engine import input_embeddings
-
-                inputs = {"inputs_embeds": input_embeddings(self, batch, inputs["input_ids"])}
-            with torch.no_grad():
-                out = self.model(
-                    **inputs,
-                    position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-                    attention_mask=self._no_mask,
-                    use_cache=False,
-                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device),
-                    kvtier_batch=meta,
-                )
-            logits = out.logits[0]
-        except Exception as exc:
-            self.counters.forward_errors += len(batch)
-            log.exception("the forward pass of %d sequences failed", len(batch))
-            for seq, _ in batch:
-                self._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
-            return
-        self.steps += 1
-        for seq, n in batch:
+        """One forward pass over ``batch`` (the runner's); then advance, fork, finish what ended."""
+        result = self.runner.execute(batch)
+        if result.ran:
+            self.steps += 1
+        for seq, n in result.computed:
             self._advance(seq, n)
-        for i, seq in enumerate(samplers):
-            if seq not in self._running:
+        failed = {id(seq) for seq, _ in result.failed}
+        for seq, error in result.failed:
+            self.counters.forward_errors += 1
+            self._finish(seq, "error", "", outs, error=error)
+        for s in result.sampled:
+            seq = s.seq
+            if id(seq) in failed or not self.queues.is_running(seq):
                 continue
-            row = logits[i]
             try:
-                token, logprob = seq.sampler.sample(row)
-                choices = [] if seq.forked else self._fork_choices(seq, row)
+                choices = [] if seq.forked else self._fork_choices(seq, s.logits)
             except Exception as exc:
                 self.counters.forward_errors += 1
-                log.exception("sampling for request %s failed", seq.request_id)
+                log.exception("starting the choices of request %s failed", seq.request_id)
                 self._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
                 continue
-            self._on_token(seq, token, logprob, outs)
+            self._on_token(seq, s.token, s.logprob, outs)
             for child, child_token, child_logprob in choices:
                 self._on_token(child, child_token, child_logprob, outs)
 
@@ -989,7 +962,6 @@ class Engine:
         """Start choices 1 .. n-1 of ``seq`` from its computed prompt (shared blocks)."""
         seq.forked = True
         out: list[tuple[Seq, int, TokenLogprob | None]] = []
-        group = self._by_id[seq.request_id]
         try:
             for i in range(1, seq.params.n):
                 child = Seq(
@@ -1008,17 +980,14 @@ class Engine:
                 child.table = self.manager.fork(seq.seq_id, child.seq_id)
                 child.known, child.computed = seq.known, seq.computed
                 child.admit_len = seq.admit_len
-                child.order = next(self._order)
                 token, logprob = child.sampler.sample(logits)
-                group.append(child)
-                self._running.append(child)
+                self.queues.add_choice(child)
                 self.counters.forked_sequences += 1
                 out.append((child, token, logprob))
         except BaseException:
             # A choice that could not start undoes every choice started here.
             for child, _, _ in out:
-                self._running.remove(child)
-                group.remove(child)
+                self.queues.drop_choice(child)
                 self.manager.free(child.seq_id)
             raise
         return out
@@ -1100,8 +1069,7 @@ class Engine:
                 self._release(seq, keep=True)
         else:
             self._release(seq, keep=self.prefix_caching)
-        self._running.remove(seq)
-        self._waiting.appendleft(seq)
+        self.queues.preempt(seq)
         seq.metrics.preemptions += 1
         self.counters.preemptions += 1
 
@@ -1130,16 +1098,8 @@ class Engine:
             else:
                 self._remember_keys(seq)
                 self._release(seq, keep=self.prefix_caching)
-        if seq in self._running:
-            self._running.remove(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
-        group = self._by_id.get(seq.request_id)
-        if group is not None and seq in group:
-            group.remove(seq)
-            if not group:
-                del self._by_id[seq.request_id]
-        if seq.mm is not None and not self._by_id.get(seq.request_id):
+        last = self.queues.remove(seq)
+        if seq.mm is not None and last:
             seq.mm.release()  # the last choice ended: its images' cache entries unpin
         m = seq.metrics
         m.finish_time = time.perf_counter()
@@ -1165,6 +1125,22 @@ class Engine:
             # It ended before its prompt was forked: the other choices end with it.
             for i in range(1, seq.params.n):
                 outs.append(RequestOutput(seq.request_id, "", [], True, reason, m, error, index=i))
+
+
+#: The longest ``cache_salt`` a request may carry.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: object) -> None:
+    """Raise :class:`BadRequestError` unless ``salt`` is ``None`` or a usable cache salt."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise BadRequestError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+            f"characters, got {salt!r:.40}",
+            param="cache_salt",
+        )
 
 
 def check_config(config: EngineConfig, tokenizer: Any = None) -> None:

@@ -152,17 +152,18 @@ class KvTierCache(Cache):
                 f"storage block size {storage.layout.block_size} differs from the "
                 f"manager's {manager.block_size}: build both from one KVLayout"
             )
-        if storage.num_blocks < manager.pool.num_blocks:
+        if storage.num_blocks < manager.num_blocks:
             raise ConfigError(
                 f"storage holds {storage.num_blocks} blocks but the manager hands out "
-                f"{manager.pool.num_blocks}: size them alike"
+                f"{manager.num_blocks}: size them alike"
             )
         ids = _as_ids(prompt_ids, "prompt_ids")
         if tiers is not None and (
             tiers.storage is not storage or tiers.device_manager is not manager
         ):
             raise ConfigError("the tier chain was built for another storage or manager")
-        alloc = manager.allocate(request_id, ids, extra_keys=extra_keys)
+        match = manager.match(ids, extra_keys=extra_keys)
+        alloc = manager.allocate(request_id, ids, match=match)
         cached = alloc.num_cached_tokens
         loaded = 0
         if tiers is not None:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from kvtier.engine.detok import IncrementalDetokenizer
+from kvtier.engine.queues import Slot
 from kvtier.engine.request import RequestMetrics, RequestOutput
 from kvtier.engine.request import Sequence as Seq
 from kvtier.engine.sampling import Sampler, SamplingParams
@@ -144,7 +145,7 @@ def _check_fits(engine: Engine, root: int, block_size: int, layout: str) -> None
 
 
 def _find(engine: Engine, request_id: str) -> Seq:
-    group = engine._by_id.get(request_id)
+    group = engine.queues.group(request_id)
     if not group:
         raise MigrationError(f"request {request_id!r} is not on this engine (it may have finished)")
     if len(group) != 1 or group[0].params.n != 1:
@@ -156,7 +157,7 @@ def _find(engine: Engine, request_id: str) -> Seq:
         # Its images' features live in this process; the destination would
         # recompute placeholder tokens without them.
         raise MigrationError(f"request {request_id!r} carries images; it cannot move")
-    if seq not in engine._running and seq not in engine._waiting:
+    if not engine.queues.is_running(seq) and not engine.queues.is_waiting(seq):
         raise MigrationError(f"request {request_id!r} is already moving")
     return seq
 
@@ -169,10 +170,9 @@ def detach(engine: Engine, request_id: str, *, via: Via = "direct") -> Departure
     """
     seq = _find(engine, request_id)
     root, bs, layout = _identity(engine)
-    if seq in engine._waiting:
-        index = list(engine._waiting).index(seq)
-        engine._waiting.remove(seq)
-        return Departure(seq, "waiting", index, 0, via, root, bs, layout)
+    if engine.queues.is_waiting(seq):
+        slot = engine.queues.detach(seq)
+        return Departure(seq, "waiting", slot.index, 0, via, root, bs, layout)
     if seq.load is not None:
         engine._complete_load(seq)
     assert seq.table is not None
@@ -195,23 +195,13 @@ def detach(engine: Engine, request_id: str, *, via: Via = "direct") -> Departure
                 tiers.flush()
             except KvTierError as exc:
                 raise MigrationError(f"storing the request's blocks failed: {exc}") from exc
-    engine._running.remove(seq)
+    engine.queues.detach(seq)
     return dep
 
 
 def restore(engine: Engine, dep: Departure) -> None:
     """Put a detached request back where it was on its source (after a failed move)."""
-    seq = dep.seq
-    if dep.where == "waiting":
-        engine._waiting.insert(min(dep.index, len(engine._waiting)), seq)
-        return
-    running = engine._running
-    at = len(running)
-    for i, other in enumerate(running):
-        if other.order > seq.order:
-            at = i
-            break
-    running.insert(at, seq)
+    engine.queues.restore(dep.seq, Slot(dep.where, dep.index))
 
 
 def release(engine: Engine, dep: Departure) -> None:
@@ -224,12 +214,12 @@ def release(engine: Engine, dep: Departure) -> None:
         # (the destination loads it from the shared medium, or recomputes it).
         if swapped is not None and swapped.tail_key is not None and engine.tier_chain is not None:
             engine.tier_chain.tiers[swapped.tail_tier].offload_manager.remove([swapped.tail_key])
-    engine._by_id.pop(seq.request_id, None)
+    engine.queues.forget(seq.request_id)
     engine.counters.migrated_out += 1
 
 
 def _join(engine: Engine, seq: Seq, request_id: str) -> None:
-    if request_id in engine._by_id:
+    if request_id in engine.queues:
         raise MigrationError(f"request id {request_id!r} is already in use on the destination")
     try:
         engine.check_request(seq.prompt_ids, seq.params)
@@ -241,11 +231,7 @@ def _join(engine: Engine, seq: Seq, request_id: str) -> None:
 
 def _queue(engine: Engine, seq: Seq) -> None:
     """A request with no KV here: first in line if it had started, else last."""
-    if seq.admissions:
-        engine._waiting.appendleft(seq)
-    else:
-        engine._waiting.append(seq)
-    engine._by_id[seq.request_id] = [seq]
+    engine.queues.add(seq, front=seq.admissions > 0)
     engine.counters.migrated_in += 1
 
 
@@ -273,12 +259,13 @@ def attach(engine: Engine, dep: Departure, request_id: str | None = None) -> str
         computed=0,
         load=None,
         unready=[],
+        match=None,
     )
     _join(engine, seq, rid)
     if dep.computed == 0:
         _queue(engine, seq)
         return rid
-    if len(engine._running) >= engine.max_num_seqs:
+    if engine.queues.num_running >= engine.max_num_seqs:
         raise MigrationError(
             f"the destination already runs {engine.max_num_seqs} requests (max_num_seqs)"
         )
@@ -287,14 +274,16 @@ def attach(engine: Engine, dep: Departure, request_id: str | None = None) -> str
     tokens = seq.tokens[: dep.computed]
     n = len(tokens)
     extra: tuple[str, ...] = () if engine.prefix_caching else (f"private:{rid}:migrated",)
-    keys = manager.hasher.chain(tokens, extra=extra)
-    cached = len(manager.pool.lookup(keys[: (n - 1) // bs])) if engine.prefix_caching else 0
-    if any(k in engine._unready for k in keys[:cached]):
+    items = seq.mm.item_keys if seq.mm is not None else ()
+    match = manager.match(tokens, extra_keys=extra, item_keys=items)
+    keys = match.keys
+    cached = match.device_blocks if engine.prefix_caching else 0
+    if engine.queues.unready.any(keys[:cached]):
         raise MigrationError(
             "the destination is still computing part of this request's prefix; try again"
         )
     try:
-        alloc = manager.allocate(rid, tokens, extra_keys=extra, block_keys=keys[: n // bs])
+        alloc = manager.allocate(rid, tokens, match=match)
     except (OutOfBlocksError, AdmissionRejectedError) as exc:
         raise MigrationError(f"the destination cannot take the request now: {exc}") from exc
     hit = alloc.num_cached_tokens // bs
@@ -309,9 +298,7 @@ def attach(engine: Engine, dep: Departure, request_id: str | None = None) -> str
     seq.table = alloc.block_table
     seq.known = seq.computed = n
     seq.admissions = max(seq.admissions, 1)
-    seq.order = next(engine._order)
-    engine._running.append(seq)
-    engine._by_id[rid] = [seq]
+    engine.queues.add_running(seq)
     engine.counters.migrated_in += 1
     return rid
 

@@ -18,8 +18,9 @@ from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvtier.obs.metrics import Histogram
 
 if TYPE_CHECKING:
-    from kvtier.agents.hints import Hints
     from kvtier.block_table import BlockTable
+    from kvtier.hints import Hints
+    from kvtier.manager import PrefixMatch
     from kvtier.offload.chain import PendingLoad, SwappedRequest
 
 #: Buckets of the time-to-first-token histogram, in seconds.
@@ -163,6 +164,10 @@ class Sequence:
     mm: Any = None
     #: What the application said about the request (agent hints), if anything.
     hints: Hints | None = None
+    #: Its prefix match (block keys hashed once), kept while it waits to be admitted.
+    match: PrefixMatch | None = None
+    #: Mixed into its block keys: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
 
     @property
     def tokens(self) -> list[int]:

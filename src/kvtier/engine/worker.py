@@ -26,10 +26,10 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvtier.agents.hints import Hints, parse_hints
-from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.engine import Engine, RequestOutput, check_cache_salt
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvTierError
+from kvtier.hints import Hints, parse_hints
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class EngineWorker:
         self._cv = threading.Condition()
         self._background_failed = False
         self._inbox: list[
-            tuple[list[int], SamplingParams, RequestHandle, float, Any, Hints | None]
+            tuple[list[int], SamplingParams, RequestHandle, float, Any, Hints | None, str | None]
         ] = []
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
@@ -176,13 +176,16 @@ class EngineWorker:
         loop: asyncio.AbstractEventLoop | None = None,
         mm: Any = None,
         hints: Hints | Mapping[str, object] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request. Bad input raises :class:`BadRequestError` here, in the caller.
 
-        ``mm`` is the prompt's images (:meth:`Engine.encode_multimodal_chat`).
+        ``mm`` is the prompt's images (:meth:`Engine.encode_multimodal_chat`);
+        ``cache_salt`` limits prefix sharing to requests with the same salt.
         """
         ids = list(prompt_ids)
         checked = parse_hints(hints, where="kvtier")
+        check_cache_salt(cache_salt)
         self.engine.check_request(ids, params)  # reads configuration only: thread-safe
         if mm is not None:
             from kvtier.mm.engine import check_multimodal
@@ -196,7 +199,9 @@ class EngineWorker:
             if loop is not None:
                 handle.bind_loop(loop)
             self._handles[handle.request_id] = handle
-            self._inbox.append((ids, params, handle, time.perf_counter(), mm, checked))
+            self._inbox.append(
+                (ids, params, handle, time.perf_counter(), mm, checked, cache_salt)
+            )
             self._cv.notify()
         return handle
 
@@ -323,10 +328,16 @@ class EngineWorker:
                 calls, self._calls = self._calls, []
             for task in calls:
                 task(engine)
-            for ids, params, handle, arrival, mm, hints in inbox:
+            for ids, params, handle, arrival, mm, hints, salt in inbox:
                 try:
                     engine.add_request(
-                        ids, params, handle.request_id, arrival_time=arrival, mm=mm, hints=hints
+                        ids,
+                        params,
+                        handle.request_id,
+                        arrival_time=arrival,
+                        mm=mm,
+                        hints=hints,
+                        cache_salt=salt,
                     )
                 except KvTierError as exc:
                     self._fail(handle, str(exc))

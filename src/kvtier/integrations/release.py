@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvtier.integrations.errors import IntegrationError
-from kvtier.integrations.vllm.version import parse_version
+from kvtier.integrations.version import parse_version
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,6 @@ from kvtier.mm.vlm import ImageTextModel, image_text_model
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
-    from kvtier.engine.request import RequestOutput
     from kvtier.engine.request import Sequence as Seq
 
 log = logging.getLogger("kvtier.engine")
@@ -95,29 +94,32 @@ def check_multimodal(engine: Engine, ids: Sequence[int], mm: MultimodalPrompt) -
 
 
 def fetch_features(
-    engine: Engine, batch: list[tuple[Seq, int]], outs: list[RequestOutput]
-) -> list[tuple[Seq, int]]:
-    """Fetch the features ``batch``'s chunks need; a sequence whose images fail ends alone."""
+    batch: list[tuple[Seq, int]],
+) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, str]]]:
+    """Fetch the features ``batch``'s chunks need.
+
+    Returns the chunks that can run and, apart, each sequence whose images
+    failed to encode with the error (the engine ends those alone).
+    """
     kept: list[tuple[Seq, int]] = []
+    failed: list[tuple[Seq, str]] = []
     for seq, n in batch:
         mm = seq.mm
         if mm is not None and mm.needs(seq.computed, seq.computed + n):
             try:
                 mm.fetch(seq.computed, seq.computed + n)
             except Exception as exc:
-                engine.counters.forward_errors += 1
                 log.exception("encoding the images of request %s failed", seq.request_id)
-                engine._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
+                failed.append((seq, f"{type(exc).__name__}: {exc}"))
                 continue
         kept.append((seq, n))
-    return kept
+    return kept, failed
 
 
 def input_embeddings(
-    engine: Engine, batch: list[tuple[Seq, int]], input_ids: torch.Tensor
+    vlm: ImageTextModel | None, batch: list[tuple[Seq, int]], input_ids: torch.Tensor
 ) -> torch.Tensor:
     """The pass's input embeddings: token embeddings, features over image placeholders."""
-    vlm = engine.vlm
     if vlm is None:
         raise BadRequestError("a request with images reached a text-only model")
     with torch.no_grad():

@@ -37,11 +37,7 @@ for _cls in (
 ):
     register_policy(_cls.name, with_admission(_cls))
 del _cls
-
-# The workflow-aware policy lives with the agent hints it reads.
-from kvtier.agents.policy import WorkflowPolicy  # noqa: E402
-
-register_policy(WorkflowPolicy.name, with_admission(WorkflowPolicy))
+# The workflow policy (kvtier.agents.policy) registers itself; see registry.PLUGIN_MODULES.
 
 __all__ = [
     "ARCPolicy",
@@ -58,7 +54,6 @@ __all__ = [
     "S3FIFOPolicy",
     "SIEVEPolicy",
     "TinyLFUAdmission",
-    "WorkflowPolicy",
     "admit_chain",
     "available_policies",
     "make_admission",

@@ -2,6 +2,12 @@
 
 Shipped policies register under a short name; a user's own class is loaded
 from an import path ``package.module:ClassName`` (or ``package.module.ClassName``).
+
+A policy that lives with the feature it serves (the workflow policy, in
+:mod:`kvtier.agents.policy`) registers itself when its module is imported;
+:data:`PLUGIN_MODULES` names that module, so ``make_policy("workflow")`` works
+without the caller importing it first. The name is data, not an import: the
+policy layer does not import the features above it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ _METHODS = (
     "snapshot",
 )
 _REGISTRY: dict[str, PolicyFactory] = {}
+#: Shipped policies registered by their own modules: name -> the module to import.
+PLUGIN_MODULES: dict[str, str] = {"workflow": "kvtier.agents.policy"}
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
@@ -31,7 +39,22 @@ def register_policy(name: str, factory: PolicyFactory) -> None:
 
 
 def available_policies() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *PLUGIN_MODULES})
+
+
+def _registered(key: str) -> PolicyFactory | None:
+    """The factory registered as ``key``, importing its plug-in module if it has one."""
+    factory = _REGISTRY.get(key)
+    if factory is None and key in PLUGIN_MODULES:
+        module_name = PLUGIN_MODULES[key]
+        try:
+            importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"cannot import policy module {module_name!r}: {exc}") from exc
+        factory = _REGISTRY.get(key)
+        if factory is None:
+            raise ConfigError(f"module {module_name!r} did not register the policy {key!r}")
+    return factory
 
 
 def _load_by_path(path: str) -> PolicyFactory:
@@ -55,7 +78,7 @@ def _load_by_path(path: str) -> PolicyFactory:
 
 def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     """A new policy instance for a registered name or an import path."""
-    factory = _REGISTRY.get(name.lower()) or _load_by_path(name)
+    factory = _registered(name.lower()) or _load_by_path(name)
     try:
         policy = factory(**kwargs)
     except TypeError as exc:

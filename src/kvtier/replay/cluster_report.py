@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from kvtier import __version__
+from kvtier._version import __version__
 from kvtier.replay.cluster import ClusterResult, EngineResult
 from kvtier.replay.report import trace_json
 from kvtier.replay.traces import Trace

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier import __version__
+from kvtier._version import __version__
 from kvtier.errors import ConfigError
 from kvtier.replay.capacity import Capacity
 from kvtier.replay.progress import ProgressBar

@@ -15,7 +15,7 @@ which one a file holds, and every later line must match it:
   :class:`~kvtier.keys.BlockHasher` (the manager's default namespace), so a
   replay keys blocks exactly as live serving does. Only full blocks get keys.
 
-Either format may carry the agent hints of :mod:`kvtier.agents.hints` as
+Either format may carry the agent hints of :mod:`kvtier.hints` as
 optional fields of a line (``session_id``, ``workflow_id``, ``agent_id``,
 ``step``, ``cache_ttl_s``, ``reuse``, ...): the replay passes them to the
 policy as serving would. A line ``{"workflow": {...}}`` registers an agent
@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvtier.agents.graph import WorkflowSpec, parse_workflow
-from kvtier.agents.hints import HINT_NAMES, parse_hints
 from kvtier.errors import BadRequestError, ConfigError
+from kvtier.hints import HINT_NAMES, parse_hints
 from kvtier.keys import BlockHasher, Namespace
 
 TraceFormat = Literal["mooncake", "tokens"]

@@ -23,6 +23,7 @@ kvtier servers, not OpenAI clients.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import logging
@@ -54,19 +55,7 @@ NDJSON = "application/x-ndjson"
 
 
 def _requests(engine: Engine) -> dict[str, Any]:
-    rows = []
-    for state, seqs in (("running", engine._running), ("waiting", engine._waiting)):
-        for seq in seqs:
-            rows.append(
-                {
-                    "request_id": seq.request_id,
-                    "index": seq.index,
-                    "state": state,
-                    "prompt_tokens": len(seq.prompt_ids),
-                    "generated_tokens": len(seq.generated),
-                    "computed_tokens": seq.computed,
-                }
-            )
+    rows = [dataclasses.asdict(row) for row in engine.queues.snapshot()]
     c = engine.counters
     return {"requests": rows, "migrated_in": c.migrated_in, "migrated_out": c.migrated_out}
 

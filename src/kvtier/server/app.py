@@ -14,7 +14,7 @@
   (:mod:`kvtier.server.admin`);
 * ``/v1/workflows``: register agent step graphs and report their progress
   (:mod:`kvtier.server.workflows`); completions take agent hints in a
-  ``kvtier`` object (:mod:`kvtier.agents.hints`).
+  ``kvtier`` object (:mod:`kvtier.hints`).
 
 Every bad input is answered with HTTP 400 and OpenAI's error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
@@ -43,8 +43,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.agents.hints import Hints
 from kvtier.engine.sampling import SamplingParams
+from kvtier.hints import Hints
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
@@ -406,9 +406,10 @@ def create_app(
             ids, mm = await asyncio.to_thread(_encode_with_images, engine, messages, urls, images)
         else:
             ids = await asyncio.to_thread(engine.encode_chat, messages)
-        if requested is None:
+        if requested is None:  # up to the context, capped by --default-max-tokens
             params = dataclasses.replace(
-                params, max_tokens=max(engine.max_model_len - len(ids), 1)
+                params,
+                max_tokens=limits.default_completion_tokens(engine.max_model_len - len(ids)),
             )
         handle = await submit(ids, params, prompt_param="messages", mm=mm, hints=hints)
 
@@ -436,7 +437,11 @@ def create_app(
         check_model(body.model)
         body.check_supported()
         prompt = body.single_prompt()
-        params = body.sampling_params(body.requested_max_tokens(), engine.sampling_defaults)
+        max_tokens = body.requested_max_tokens()
+        if body.max_tokens is None or "max_tokens" not in body.model_fields_set:
+            # OpenAI's default of 16, or --default-max-tokens when that is fewer.
+            max_tokens = min(max_tokens, limits.default_max_tokens or max_tokens)
+        params = body.sampling_params(max_tokens, engine.sampling_defaults)
         hints = body.agent_hints()
         if isinstance(prompt, str):
             check_chars(len(prompt), "prompt")
@@ -569,6 +574,6 @@ def _encode_with_images(
 
 
 def _version() -> str:
-    from kvtier import __version__
+    from kvtier._version import __version__
 
     return str(__version__)

@@ -5,6 +5,9 @@ size and how long the client may take to send it (:class:`BodyGuard`, in
 front of the application: 413 and 408), how many characters a prompt may
 have before it is tokenized and how many messages a chat may have (400),
 and how many requests may wait for the engine (429 with ``Retry-After``).
+It also caps the completion of a request that sends no ``max_tokens``
+(:attr:`ServerLimits.default_max_tokens`), so a model that never emits its
+end-of-sequence token cannot run on to the end of the context unasked.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+#: Tokens a request that sends no ``max_tokens`` gets at most (``--default-max-tokens``).
+DEFAULT_MAX_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -41,6 +47,10 @@ class ServerLimits:
     max_queued: int = 256
     #: Seconds a client may take to send its request body (``--request-timeout``); then 408.
     body_timeout_s: float = 30.0
+    #: Tokens a request that sends no ``max_tokens`` (nor ``max_completion_tokens``) gets at
+    #: most (``--default-max-tokens``); 0: OpenAI's behaviour, a chat completion runs up to
+    #: the context. ``/v1/completions`` keeps OpenAI's 16 when that is fewer.
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages"):
@@ -53,6 +63,18 @@ class ServerLimits:
             raise ConfigError(f"max_queued must be a non-negative integer, got {self.max_queued}")
         if not self.body_timeout_s > 0:
             raise ConfigError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
+        value = self.default_max_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"default_max_tokens must be 0 (up to the context) or a positive token count, "
+                f"got {value!r}"
+            )
+
+    def default_completion_tokens(self, room: int) -> int:
+        """The ``max_tokens`` of a chat request that sends none: ``room`` (the context left
+        after the prompt, at least 1) capped by :attr:`default_max_tokens` when that is set."""
+        room = max(room, 1)
+        return min(room, self.default_max_tokens) if self.default_max_tokens else room
 
 
 async def _reply(send: Send, status: int, message: str, code: str) -> None:

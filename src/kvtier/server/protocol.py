@@ -7,7 +7,7 @@ roles are an enum, content is required where the schema requires it, every
 number has OpenAI's range, and text must be valid Unicode (a lone surrogate
 is refused, since it cannot be encoded). Fields kvtier does not know are
 ignored, as OpenAI's newer fields would be, except ``kvtier``: the agent
-hints extension object (:mod:`kvtier.agents.hints`), validated strictly.
+hints extension object (:mod:`kvtier.hints`), validated strictly.
 Fields it knows but cannot
 honour (tools, ``response_format`` other than text, ``echo``, ``suffix``,
 ``best_of`` > 1, audio, content parts other than text and ``image_url``;
@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from kvtier.agents.hints import Hints, parse_hints
 from kvtier.engine.sampling import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from kvtier.errors import BadRequestError
+from kvtier.hints import Hints, parse_hints
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -261,7 +261,8 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
 
     def requested_max_tokens(self) -> int | None:
-        """``max_completion_tokens`` (the newer name) or ``max_tokens``; None: up to the context."""
+        """``max_completion_tokens`` (the newer name) or ``max_tokens``; None: the server's
+        default (``--default-max-tokens``, at most the context left after the prompt)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens

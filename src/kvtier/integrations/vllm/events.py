@@ -2,7 +2,9 @@
 
 A router that already follows a vLLM fleet's KV events (which blocks each
 engine holds, on which medium) can follow kvtier the same way.
-:class:`KvEventPublisher` turns kvtier's events into vLLM's event structs:
+:class:`KvEventPublisher` is the sink (:mod:`kvtier.events`) of ``tcp://``,
+``ipc://`` and ``inproc://`` endpoints; it turns kvtier's events into vLLM's
+event structs:
 
 * ``stored(keys, ...)`` / ``removed(keys, ...)`` / ``cleared()``: blocks that
   became cached, left, or all left;
@@ -45,10 +47,11 @@ import importlib
 import importlib.util
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from kvtier.errors import ConfigError
+from kvtier.events import SinkBase, register_event_sink
 from kvtier.integrations.errors import MissingDependencyError
 
 try:
@@ -59,8 +62,6 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the pac
         f"kvtier's KV event publisher needs pyzmq and msgspec ({_exc}): "
         "pip install pyzmq msgspec, or pip install 'kvtier[vllm]'"
     ) from _exc
-
-from kvtier.offload.manager import OffloadingEvent
 
 ExternalBlockHash = bytes | int
 HashFormat = Literal["bytes", "int64"]
@@ -166,19 +167,7 @@ def load_schema(structs: Structs = "auto") -> _Schema:
     return _Schema("vllm", module)
 
 
-class _DeviceEvents(Protocol):
-    """What :meth:`KvEventPublisher.drain_device` reads: a manager recording events."""
-
-    block_size: int
-
-    def take_events(self) -> list[tuple[int, list[int], int, list[int]]]: ...
-
-
-class _EventSource(Protocol):
-    def take_events(self) -> Iterable[OffloadingEvent]: ...
-
-
-class KvEventPublisher:
+class KvEventPublisher(SinkBase):
     """Publishes kvtier's KV events as vLLM ``KVEventBatch`` es on a ZeroMQ PUB socket.
 
     ``endpoint`` follows vLLM's rule: a wildcard (``tcp://*:5557``), ``ipc://``
@@ -312,50 +301,6 @@ class KvEventPublisher:
         """Queue an ``AllBlocksCleared``."""
         return self._push(self.schema.cleared())
 
-    def drain_device(self, manager: _DeviceEvents, *, lora_id: int | None = None) -> int:
-        """Queue the device's events since the last call (``manager.take_events()``).
-
-        ``manager`` is a :class:`~kvtier.KVCacheManager` with ``record_events()``
-        on; returns how many events were queued.
-        """
-        from kvtier.pool import CLEARED, STORED
-
-        n = 0
-        for kind, keys, parent, tokens in manager.take_events():
-            if kind == STORED:
-                self.stored(
-                    keys,
-                    parent=None if parent < 0 else parent,
-                    token_ids=tokens,
-                    block_size=manager.block_size,
-                    lora_id=lora_id,
-                )
-            elif kind == CLEARED:
-                self.cleared()
-            else:
-                self.removed(keys)
-            n += 1
-        return n
-
-    def add(self, event: OffloadingEvent) -> Any:
-        """Queue the vLLM event for one kvtier :class:`~kvtier.offload.OffloadingEvent`."""
-        if event.removed:
-            return self.removed(event.keys, medium=event.medium)
-        return self.stored(event.keys, medium=event.medium)
-
-    def extend(self, events: Iterable[OffloadingEvent]) -> int:
-        """Queue many offloading events; returns how many."""
-        n = 0
-        for ev in events:
-            if ev.keys:
-                self.add(ev)
-                n += 1
-        return n
-
-    def drain(self, source: _EventSource) -> int:
-        """Queue ``source.take_events()`` (an offloading manager, a tier chain)."""
-        return self.extend(source.take_events())
-
     # -- sending -----------------------------------------------------------------------------
     @property
     def pending(self) -> int:
@@ -423,3 +368,7 @@ class KvEventPublisher:
             f"KvEventPublisher({self.endpoint!r}, topic={self.topic!r}, "
             f"structs={self.schema.source}, next_sequence={self._seq})"
         )
+
+
+for _scheme in ("tcp", "ipc", "inproc"):
+    register_event_sink(_scheme, KvEventPublisher)

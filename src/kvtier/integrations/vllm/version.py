@@ -22,12 +22,12 @@ Detection reads the installed distribution's metadata and never imports vLLM.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Final, Literal
 
 from kvtier.integrations.errors import UnsupportedVllmError
+from kvtier.integrations.version import parse_version as parse_version  # re-exported
 
 VllmApi = Literal["cache_policy", "offloading_manager"]
 
@@ -56,8 +56,6 @@ SUPPORTED_TEXT: Final = (
     f"{MANAGER_SERIES[1][1]} (the older OffloadingManager API, through "
     "LegacyOffloadingManager, tested against the protocol only)"
 )
-
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +86,6 @@ def installed_vllm_version() -> str | None:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
         return None
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """``(major, minor, patch)`` of a version such as ``0.33.0`` or ``0.14.1rc2.dev3+g1``."""
-    m = _VERSION_RE.match(text)
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def _allow_untested() -> bool:
