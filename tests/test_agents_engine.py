@@ -194,8 +194,7 @@ def test_prefetch_from_redis_lets_ready_requests_go_first(
     agent = grants[0].candidate.agent[1]
     waiting = eng.add_request(prompts[agent], GREEDY)
     ready = eng.add_request(list(range(5, 40)), GREEDY)
-    outs: list[Any] = []
-    batch = eng._schedule(outs)
+    batch = eng.scheduler.schedule().batch
     # The prefetched request waits for its blocks; the ready one behind it runs now.
     assert [s.request_id for s, _ in batch] == [ready]
     assert [s.request_id for s in eng.queues.waiting] == [waiting]

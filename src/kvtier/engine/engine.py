@@ -44,15 +44,11 @@ runs it on a thread of its own for concurrent callers.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
-
-import torch
 
 from kvtier.agents.attach import AgentSupport
 from kvtier.engine.config import (
@@ -62,6 +58,7 @@ from kvtier.engine.config import (
     check_min_request,
     plan_cache,
 )
+from kvtier.engine.connector import KVConnector
 from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.hf_cache import layout_for_model
 from kvtier.engine.paged import install
@@ -75,19 +72,16 @@ from kvtier.engine.request import (
     Sequence as Seq,
 )
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.scheduler import Scheduler, SchedulerLimits
 from kvtier.errors import (
-    AdmissionRejectedError,
     BadRequestError,
     ConfigError,
-    KvTierError,
-    OutOfBlocksError,
-    UnknownRequestError,
 )
 from kvtier.hints import Hints, parse_hints
 from kvtier.keys import Namespace
 from kvtier.layout import cache_layout
-from kvtier.manager import KVCacheManager, PrefixMatch
+from kvtier.manager import KVCacheManager
 from kvtier.offload.chain import CompressionResult, Tier, TierChain
 from kvtier.offload.config import TierSpec
 from kvtier.policy.base import EvictionPolicy
@@ -103,8 +97,6 @@ __all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 #: What _admit returns for a request whose prefix a prefetch is still loading.
 _DEFERRED = -1
-#: Finished requests whose block keys :meth:`Engine.compress_request` can still find.
-FINISHED_REQUESTS_REMEMBERED = 256
 
 
 class Engine:
@@ -221,7 +213,7 @@ class Engine:
         self.prefix_caching = prefix_caching
         #: ``temperature`` / ``top_p`` the server uses when a request leaves them out.
         self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = int(getattr(text_config, "vocab_size", 0) or 0) or None
         from kvtier.mm.engine import setup_multimodal
 
@@ -230,6 +222,8 @@ class Engine:
             model, tokenizer, model_id, image_processor, encoder_cache
         )
         self.counters = EngineCounters()
+        #: Tier loads, stores, swaps and compression (:mod:`kvtier.engine.connector`).
+        self.connector = KVConnector(self.manager, self.tier_chain, self.counters)
         #: Runs the forward passes and samples (:mod:`kvtier.engine.runner`).
         self.runner = ModelRunner(model, self.storage, self.vlm)
         #: Who waits, who runs, and the prefixes not computed yet (:mod:`kvtier.engine.queues`).
@@ -237,10 +231,19 @@ class Engine:
         self._ids = itertools.count()
         #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
         self.agents = AgentSupport(self)
-        #: Block keys of recently finished requests (request id -> one chain per
-        #: choice), so :meth:`compress_request` can find their cached blocks.
-        self._finished_keys: collections.OrderedDict[str, list[list[int]]] = (
-            collections.OrderedDict()
+        #: Admission, batching, preemption, finishing (:mod:`kvtier.engine.scheduler`).
+        self.scheduler = Scheduler(
+            manager=self.manager,
+            storage=self.storage,
+            queues=self.queues,
+            connector=self.connector,
+            agents=self.agents,
+            counters=self.counters,
+            limits=SchedulerLimits(max_num_seqs, budget, max_model_len),
+            prefix_caching=prefix_caching,
+            pressure=self.pressure,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
         )
         #: Forward passes run, and tokens they computed (for the batch-size metrics).
         self.steps = 0
@@ -269,6 +272,15 @@ class Engine:
             sampling_defaults=dict(self.sampling_defaults),
             kv_events=kv_events,
         )
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end a request (unless it sets ``ignore_eos``)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.scheduler.eos_token_ids = frozenset(ids)
 
     @property
     def model(self) -> Any:
@@ -522,7 +534,7 @@ class Engine:
         outs: list[RequestOutput] = []
         for seq in list(self.queues.all()):
             try:
-                self._finish(seq, "error", "", outs, error=error)
+                self.scheduler.finish(seq, "error", "", outs, error=error)
             except Exception:
                 log.exception("could not end request %s cleanly", seq.request_id)
                 seq.table = None
@@ -551,12 +563,11 @@ class Engine:
         p = self.agents.prefetcher
         if p is None or self.tier_chain is None:
             return False
-        return p.busy or self.tier_chain.stores_pending
+        return p.busy or self.connector.stores_pending
 
     def poll_background(self) -> None:
         """Finish tier stores and prefetches that completed, and start the prefetches now due."""
-        if self.tier_chain is not None:
-            self.tier_chain.poll()
+        if self.connector.poll():
             self.agents.poll()
 
     def close(self) -> None:
@@ -564,8 +575,7 @@ class Engine:
         if self.pressure is not None:
             self.pressure.close()
         self.agents.close()
-        if self.tier_chain is not None:
-            self.tier_chain.close()
+        self.connector.close()
         if self.events is not None:
             self._publish_events()
             self.events.close()
@@ -578,15 +588,12 @@ class Engine:
         the compressed device tier (``--tier device:SIZE``) and their pool
         blocks freed; a later prefix hit decodes them back. Finished requests
         are remembered for this by id (the last
-        :data:`FINISHED_REQUESTS_REMEMBERED`); a running request cannot be
+        :data:`~kvtier.engine.connector.FINISHED_REQUESTS_REMEMBERED`); a running request cannot be
         compressed. Returns what moved.
         """
-        if self.tier_chain is None or self.tier_chain.device_tier() is None:
-            raise ConfigError(
-                "compressing a request's blocks needs a compressed device tier: "
-                "add --tier device:SIZE (TierSpec('device', size, codec='int8'))"
-            )
+        self.connector.check_compressible()
         seqs = self.queues.group(request_id)
+        chains: list[list[int]] | None = None
         if seqs:
             if any(self.queues.is_running(s) for s in seqs):
                 raise BadRequestError(
@@ -594,30 +601,8 @@ class Engine:
                     "or while it waits"
                 )
             # The keys admission uses (extra and image keys included), kept on each sequence.
-            chains = [list(self._match(s, None).keys) for s in seqs]
-        else:
-            found = self._finished_keys.get(request_id)
-            if found is None:
-                raise UnknownRequestError(
-                    f"request {request_id!r} is neither in the engine nor among the "
-                    f"{FINISHED_REQUESTS_REMEMBERED} most recently finished"
-                )
-            chains = found
-        total = CompressionResult(0, 0, 0, 0.0)
-        for keys in chains:
-            total = total + self.tier_chain.compress(keys, fraction)
-        return total
-
-    def _remember_keys(self, seq: Seq) -> None:
-        """Keep a finishing sequence's block keys for :meth:`compress_request`."""
-        if not self.prefix_caching or seq.table is None:
-            return
-        keys = self.manager.block_keys(seq.seq_id)
-        chains = self._finished_keys.setdefault(seq.request_id, [])
-        self._finished_keys.move_to_end(seq.request_id)
-        chains.append(keys)
-        while len(self._finished_keys) > FINISHED_REQUESTS_REMEMBERED:
-            self._finished_keys.popitem(last=False)
+            chains = [list(self.scheduler.match(s, None).keys) for s in seqs]
+        return self.connector.compress(request_id, chains, fraction)
 
     @property
     def num_waiting(self) -> int:
@@ -629,19 +614,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one forward pass over every scheduled sequence."""
-        outs: list[RequestOutput] = []
         self.poll_background()
-        for seq in [s for s in self.queues.all() if s.cancelled]:
-            self._finish(seq, "abort", "", outs)
-        self._finish_loads(outs, wait=False)
-        batch = self._schedule(outs)
-        if batch:
-            self._execute(batch, outs)
-        elif any(s.load is not None for s in self.queues.running):
-            # Nothing can compute until a load is in: wait for one instead of spinning.
-            self._finish_loads(outs, wait=True)
-        elif self.queues.num_waiting:
-            self.agents.wait()  # the waiting requests need blocks a prefetch is loading
+        plan = self.scheduler.schedule()
+        outs = plan.outputs
+        if plan.batch:
+            result = self.runner.execute(plan.batch)
+            if result.ran:
+                self.steps += 1
+            self.scheduler.update(result, outs)
+        else:
+            self.scheduler.idle(outs)
         if self.events is not None:
             self._publish_events()
         return outs
@@ -673,458 +655,6 @@ class Engine:
                     left -= out.finished
                     if not left:
                         return
-
-    # -- scheduling ---------------------------------------------------------------------
-    def _schedule(self, outs: list[RequestOutput]) -> list[tuple[Seq, int]]:
-        """The sequences this step computes and how many tokens each (see the module docstring)."""
-        batch: list[tuple[Seq, int]] = []
-        queues = self.queues
-        decodes = sum(
-            1 for s in queues.running if s.load is None and s.num_tokens - s.computed == 1
-        )
-        budget = self.max_num_batched_tokens - decodes  # for prompt chunks; decodes always run
-        for seq in list(queues.running):
-            if not queues.is_running(seq) or seq.load is not None:
-                continue  # preempted by an older sequence, or still loading
-            n = seq.num_tokens - seq.computed
-            if n > 1:
-                n = min(n, budget)
-                if n <= 0:
-                    continue
-            if not self._grow(seq, seq.computed + n, batch, outs):
-                continue
-            batch.append((seq, n))
-            if n > 1 or seq.num_tokens - seq.computed > 1:
-                budget -= n
-        deferred: list[Seq] = []
-        while queues.num_waiting and budget > 0:
-            seq = queues.waiting[0]
-            group = 1 if seq.forked else seq.params.n
-            if queues.num_running + group > self.max_num_seqs:
-                break  # a request's choices start together, once there is room for all
-            got = self._admit(seq, budget, outs)
-            if got is None:
-                break  # it waits (for blocks, a prefix being computed, memory pressure)
-            if got == _DEFERRED:
-                # Its blocks are still being prefetched: requests that are ready go first.
-                deferred.append(queues.pop_head())
-                continue
-            if got > 0:
-                batch.append((seq, got))
-                budget -= got
-        queues.put_back(deferred)
-        return batch
-
-    def _grow(
-        self, seq: Seq, upto: int, batch: list[tuple[Seq, int]], outs: list[RequestOutput]
-    ) -> bool:
-        """Give the manager ``seq``'s tokens up to ``upto``; preempt newer sequences for blocks.
-
-        Returns False when ``seq`` itself had to go (it was the newest, or alone).
-        """
-        assert seq.table is not None
-        while seq.known < upto:
-            try:
-                ext = self.manager.extend(seq.seq_id, seq.tokens[seq.known : upto])
-            except OutOfBlocksError:
-                if self.agents.drain():
-                    continue  # prefetches held blocks; landed, they are evictable
-                victim = self.queues.newest_running()
-                if victim is seq:
-                    if self.queues.num_running == 1:
-                        self._finish(
-                            seq,
-                            "error",
-                            "",
-                            outs,
-                            error="out of KV cache blocks with no other request to wait for",
-                        )
-                    else:
-                        self._preempt(seq, batch)
-                    return False
-                self._preempt(victim, batch)
-                continue
-            if ext.copies:
-                self.storage.copy_blocks(ext.copies)
-            seq.table = ext.block_table
-            seq.known = upto
-            self._mark_unready(seq)
-        return True
-
-    def _admit(self, seq: Seq, budget: int, outs: list[RequestOutput]) -> int | None:
-        """Allocate ``seq``'s prefix and first chunk; tokens it computes this step.
-
-        ``None``: it stays first in the queue (no blocks, a prefix still being
-        computed, pressure says wait); 0: it was admitted but loads its
-        prefix first, or it ended.
-        """
-        tokens = seq.tokens
-        n = len(tokens)
-        bs = self.manager.block_size
-        match = self._match(seq, self.tier_chain)
-        keys = match.keys
-        device_hit, tier_hit = match.device_blocks, match.tier_blocks
-        if self.queues.unready.any(keys[:device_hit]):
-            if self.agents.deferred(keys[:device_hit]):
-                return _DEFERRED
-            return None  # another request is computing (or loading) this prefix: wait for it
-        hit = (device_hit + tier_hit) * bs
-        upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
-        swapped = seq.swapped
-        if swapped is not None and swapped.tail_key is not None:
-            upto = max(upto, min(n, swapped.num_computed_tokens + 1))
-        try:
-            alloc = self.manager.allocate(seq.seq_id, tokens[:upto], match=match)
-        except OutOfBlocksError as exc:
-            if self.queues.num_running or self.agents.drain():
-                return None  # wait for running requests (or prefetches) to free blocks
-            self.queues.pop_head()
-            self._finish(seq, "error", "", outs, error=f"out of KV cache blocks: {exc}")
-            return 0
-        except AdmissionRejectedError as exc:
-            if self._hold_back(seq, exc):
-                return None
-            self.queues.pop_head()
-            self.counters.rejected += 1
-            self._finish(seq, "rejected", "", outs, error=str(exc))
-            return 0
-        self.queues.admit_head()
-        seq.delayed_since = None
-        seq.table = alloc.block_table
-        seq.known = upto
-        seq.computed = alloc.num_cached_tokens
-        seq.admit_len = n
-        seq.admissions += 1
-        m = seq.metrics
-        first = m.first_scheduled_time is None
-        if first:
-            m.first_scheduled_time = time.perf_counter()
-            m.cached_tokens = seq.computed
-            self.counters.cached_prompt_tokens += seq.computed
-        if tier_hit:
-            assert self.tier_chain is not None
-            blocks = seq.table.blocks[device_hit : device_hit + tier_hit]
-            seq.load = self.tier_chain.start_load(keys[device_hit : device_hit + tier_hit], blocks)
-        self._mark_unready(seq)
-        if seq.load is not None:
-            return 0
-        self._load_tail(seq)
-        left = seq.known - seq.computed
-        return left if left > 0 else 0
-
-    def _match(self, seq: Seq, tiers: TierChain | None) -> PrefixMatch:
-        """``seq``'s prefix match; its keys are hashed once and kept on it while it waits.
-
-        Without prefix caching every admission gets keys of its own (nothing
-        is shared), so nothing is looked up in the tiers either. The agent
-        hints reach the policy with the first admission only.
-        """
-        tokens = seq.tokens
-        private = not self.prefix_caching
-        extra: tuple[str, ...] = (f"private:{seq.seq_id}:{seq.admissions}",) if private else ()
-        if seq.cache_salt is not None:
-            extra = (*extra, f"salt:{seq.cache_salt}")
-        tiers = None if private else tiers
-        kept = seq.match
-        if kept is not None and kept.num_tokens == len(tokens) and kept.extra == extra:
-            if seq.admissions and kept.hints is not None:
-                kept = dataclasses.replace(kept, hints=None)
-            seq.match = match = self.manager.rematch(kept, tiers)
-            return match
-        items = seq.mm.item_keys if seq.mm is not None else ()
-        hints = None if seq.admissions else seq.hints
-        seq.match = match = self.manager.match(
-            tokens, extra_keys=extra, item_keys=items, hints=hints, tiers=tiers
-        )
-        return match
-
-    def _finish_loads(self, outs: list[RequestOutput], *, wait: bool) -> None:
-        """Install the prefix loads that are in (with ``wait``, the oldest at least)."""
-        tiers = self.tier_chain
-        if tiers is None:
-            return
-        for seq in list(self.queues.running):
-            pending = seq.load
-            if pending is None or (not wait and not tiers.load_done(pending)):
-                continue
-            self._complete_load(seq)
-            wait = False
-
-    def _complete_load(self, seq: Seq) -> None:
-        tiers = self.tier_chain
-        assert tiers is not None and seq.load is not None and seq.table is not None
-        pending, seq.load = seq.load, None
-        loaded = tiers.finish_load(pending) * self.manager.block_size
-        seq.computed += loaded
-        self.counters.loaded_prompt_tokens += loaded
-        if seq.admissions == 1 and not seq.generated:
-            seq.metrics.cached_tokens += loaded
-            self.counters.cached_prompt_tokens += loaded
-        self._load_tail(seq)
-        self._mark_unready(seq)
-
-    def _load_tail(self, seq: Seq) -> None:
-        """Bring a swapped-out sequence's partial last block back from its tier."""
-        swapped, seq.swapped = seq.swapped, None
-        if swapped is None or swapped.tail_key is None or self.tier_chain is None:
-            return
-        bs = self.manager.block_size
-        n = swapped.num_computed_tokens
-        full = n // bs
-        assert seq.table is not None
-        if (
-            n % bs
-            and seq.computed == full * bs
-            and seq.known > n
-            and self.tier_chain.load_tail(swapped, seq.table.blocks[full])
-        ):
-            seq.computed = n
-            self.counters.loaded_prompt_tokens += n - full * bs
-
-    def _mark_unready(self, seq: Seq) -> None:
-        """Track the keys ``seq`` published whose blocks are not computed (or loaded) yet."""
-        unready = self.queues.unready
-        unready.release(seq.unready)
-        bs = self.manager.block_size
-        if seq.table is None or seq.known // bs <= seq.computed // bs:
-            seq.unready = []
-            return
-        keys = self.manager.block_keys(seq.seq_id)
-        seq.unready = keys[seq.computed // bs : seq.known // bs]
-        unready.hold(seq.unready)
-
-    def _hold_back(self, seq: Seq, exc: AdmissionRejectedError) -> bool:
-        """Whether a request refused by memory pressure waits (True) or fails.
-
-        It waits while the mode only delays and it has waited less than
-        ``max_wait``; a request that already started (preempted, resuming)
-        always waits, since failing it would throw away its tokens.
-        """
-        ctrl = self.pressure
-        max_wait = ctrl.max_wait if ctrl is not None else 0.0
-        now = time.monotonic()
-        if seq.delayed_since is None:
-            seq.delayed_since = now
-        waited = now - seq.delayed_since
-        if seq.admissions == 0 and (not exc.retry or waited >= max_wait):
-            return False
-        if not self.queues.num_running and ctrl is not None:
-            # Nothing here will free memory: wait (briefly) for the sampler's next reading.
-            ctrl.wait_admissible(min(ctrl.interval, max(max_wait - waited, 0.0)))
-        return True
-
-    # -- the forward pass ------------------------------------------------------------------
-    def _execute(self, batch: list[tuple[Seq, int]], outs: list[RequestOutput]) -> None:
-        """One forward pass over ``batch`` (the runner's); then advance, fork, finish what ended."""
-        result = self.runner.execute(batch)
-        if result.ran:
-            self.steps += 1
-        for seq, n in result.computed:
-            self._advance(seq, n)
-        failed = {id(seq) for seq, _ in result.failed}
-        for seq, error in result.failed:
-            self.counters.forward_errors += 1
-            self._finish(seq, "error", "", outs, error=error)
-        for s in result.sampled:
-            seq = s.seq
-            if id(seq) in failed or not self.queues.is_running(seq):
-                continue
-            try:
-                choices = [] if seq.forked else self._fork_choices(seq, s.logits)
-            except Exception as exc:
-                self.counters.forward_errors += 1
-                log.exception("starting the choices of request %s failed", seq.request_id)
-                self._finish(seq, "error", "", outs, error=f"{type(exc).__name__}: {exc}")
-                continue
-            self._on_token(seq, s.token, s.logprob, outs)
-            for child, child_token, child_logprob in choices:
-                self._on_token(child, child_token, child_logprob, outs)
-
-    def _advance(self, seq: Seq, n: int) -> None:
-        """``n`` more of ``seq``'s tokens have K/V: count them, store them through, mark them."""
-        start = seq.computed
-        seq.computed = start + n
-        prompt_part = max(0, min(seq.computed, seq.admit_len) - start)
-        self.counters.computed_prompt_tokens += prompt_part
-        tiers = self.tier_chain
-        bs = self.manager.block_size
-        first, last = start // bs, seq.computed // bs
-        if tiers is not None and tiers.writes_through and last > first:
-            assert seq.table is not None
-            keys = self.manager.block_keys(seq.seq_id)[first:last]
-            tiers.store_computed(keys, seq.table.blocks[first : first + len(keys)])
-        if seq.unready:
-            self._mark_unready(seq)
-
-    def _fork_choices(
-        self, seq: Seq, logits: torch.Tensor
-    ) -> list[tuple[Seq, int, TokenLogprob | None]]:
-        """Start choices 1 .. n-1 of ``seq`` from its computed prompt (shared blocks)."""
-        seq.forked = True
-        out: list[tuple[Seq, int, TokenLogprob | None]] = []
-        try:
-            for i in range(1, seq.params.n):
-                child = Seq(
-                    seq.request_id,
-                    seq.prompt_ids,
-                    seq.params,
-                    Sampler(seq.params, seed_offset=i),
-                    IncrementalDetokenizer(self.tokenizer, seq.params.stop),
-                    dataclasses.replace(seq.metrics),
-                    index=i,
-                    seq_id=f"{seq.request_id}#{i}",
-                    forked=True,
-                    admissions=1,
-                )
-                child.mm = seq.mm  # a resumed choice recomputes its prompt from the same images
-                child.table = self.manager.fork(seq.seq_id, child.seq_id)
-                child.known, child.computed = seq.known, seq.computed
-                child.admit_len = seq.admit_len
-                token, logprob = child.sampler.sample(logits)
-                self.queues.add_choice(child)
-                self.counters.forked_sequences += 1
-                out.append((child, token, logprob))
-        except BaseException:
-            # A choice that could not start undoes every choice started here.
-            for child, _, _ in out:
-                self.queues.drop_choice(child)
-                self.manager.free(child.seq_id)
-            raise
-        return out
-
-    def _on_token(
-        self,
-        seq: Seq,
-        token: int,
-        logprob: TokenLogprob | None,
-        outs: list[RequestOutput],
-    ) -> None:
-        m = seq.metrics
-        now = time.perf_counter()
-        if m.first_token_time is None:
-            m.first_token_time = now
-            self.counters.ttft.observe(now - m.arrival_time)
-        seq.generated.append(token)
-        m.completion_tokens += 1
-        self.counters.generation_tokens += 1
-        lp = () if logprob is None else (logprob,)
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
-            self._finish(seq, "stop", seq.detok.flush(), outs, token=token, logprobs=lp)
-            return
-        text = seq.detok.add(token)
-        if seq.detok.stopped:
-            self._finish(seq, "stop", text, outs, token=token, logprobs=lp)
-        elif (
-            len(seq.generated) >= seq.params.max_tokens
-            or seq.num_tokens >= self.max_model_len
-        ):
-            self._finish(seq, "length", text + seq.detok.flush(), outs, token=token, logprobs=lp)
-        else:
-            outs.append(
-                RequestOutput(
-                    seq.request_id, text, [token], False, None, m, index=seq.index, logprobs=lp
-                )
-            )
-
-    # -- leaving the batch -----------------------------------------------------------------
-    def _release(self, seq: Seq, *, keep: bool) -> None:
-        """Give back ``seq``'s blocks: computed ones stay cached if ``keep``, else withdrawn."""
-        if seq.table is None:
-            return
-        if seq.load is not None:
-            assert self.tier_chain is not None
-            self.tier_chain.finish_load(seq.load)  # releases the tiers' pins on what it read
-            seq.load = None
-        if not keep:
-            self.manager.abort(seq.seq_id, seq.metrics.cached_tokens if seq.admissions == 1 else 0)
-        elif seq.known > seq.computed:
-            self.manager.abort(seq.seq_id, seq.computed)
-        else:
-            self.manager.free(seq.seq_id)
-        seq.table = None
-        seq.known = seq.computed = 0
-        self._mark_unready(seq)
-
-    def _preempt(self, seq: Seq, batch: list[tuple[Seq, int]]) -> None:
-        """Take ``seq`` out of the running set; it resumes later from its cached blocks."""
-        for i, (s, _) in enumerate(batch):
-            if s is seq:
-                del batch[i]
-                break
-        if seq.load is not None:
-            self._complete_load(seq)
-        if (
-            self.tier_chain is not None
-            and self.prefix_caching
-            and seq.known == seq.computed
-            and seq.computed > 0
-        ):
-            try:
-                seq.swapped = self.tier_chain.swap_out(seq.seq_id, seq.tokens, seq.computed)
-                seq.table = None
-                seq.known = seq.computed = 0
-                self._mark_unready(seq)
-            except KvTierError:
-                log.exception("swapping out request %s failed; it will recompute", seq.seq_id)
-                self._release(seq, keep=True)
-        else:
-            self._release(seq, keep=self.prefix_caching)
-        self.queues.preempt(seq)
-        seq.metrics.preemptions += 1
-        self.counters.preemptions += 1
-
-    def _finish(
-        self,
-        seq: Seq,
-        reason: str,
-        text: str,
-        outs: list[RequestOutput],
-        *,
-        token: int | None = None,
-        error: str | None = None,
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> None:
-        if seq.table is not None and reason in ("stop", "length"):
-            self.agents.finished(seq)
-        if seq.table is not None:
-            if reason == "error":
-                if seq.load is not None:
-                    assert self.tier_chain is not None
-                    self.tier_chain.finish_load(seq.load)
-                    seq.load = None
-                self.manager.abort(seq.seq_id, seq.computed)
-                seq.table = None
-                self._mark_unready(seq)
-            else:
-                self._remember_keys(seq)
-                self._release(seq, keep=self.prefix_caching)
-        last = self.queues.remove(seq)
-        if seq.mm is not None and last:
-            seq.mm.release()  # the last choice ended: its images' cache entries unpin
-        m = seq.metrics
-        m.finish_time = time.perf_counter()
-        c = self.counters
-        c.finished[reason] = c.finished.get(reason, 0) + 1
-        c.e2e_seconds += m.finish_time - m.arrival_time
-        c.e2e_count += 1
-        c.last = m
-        outs.append(
-            RequestOutput(
-                seq.request_id,
-                text,
-                [] if token is None else [token],
-                True,
-                reason,
-                m,
-                error,
-                index=seq.index,
-                logprobs=logprobs,
-            )
-        )
-        if not seq.forked:
-            # It ended before its prompt was forked: the other choices end with it.
-            for i in range(1, seq.params.n):
-                outs.append(RequestOutput(seq.request_id, "", [], True, reason, m, error, index=i))
 
 
 #: The longest ``cache_salt`` a request may carry.

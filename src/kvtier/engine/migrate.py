@@ -174,7 +174,7 @@ def detach(engine: Engine, request_id: str, *, via: Via = "direct") -> Departure
         slot = engine.queues.detach(seq)
         return Departure(seq, "waiting", slot.index, 0, via, root, bs, layout)
     if seq.load is not None:
-        engine._complete_load(seq)
+        engine.scheduler.complete_load(seq)
     assert seq.table is not None
     computed = seq.computed
     dep = Departure(seq, "running", 0, computed, via, root, bs, layout)
@@ -208,7 +208,7 @@ def release(engine: Engine, dep: Departure) -> None:
     """Free a moved request on its source; its computed blocks stay cached there."""
     seq = dep.seq
     if dep.where == "running":
-        engine._release(seq, keep=engine.prefix_caching)
+        engine.scheduler.release(seq, keep=engine.prefix_caching)
     for swapped in (dep.swapped, seq.swapped):
         # A partial last block this engine stored for the request is no use to it now
         # (the destination loads it from the shared medium, or recomputes it).

@@ -1,0 +1,181 @@
+"""The engine's KV connector: a request's K/V between the device blocks and the tiers below.
+
+:class:`KVConnector` is the engine's one user of the
+:class:`~kvtier.offload.chain.TierChain`: it starts and installs prefix loads
+from the tiers, stores computed blocks on write-through tiers, swaps a
+preempted request out and its partial last block back in, compresses a
+request's cached blocks into the device tier, and keeps the tiers' background
+work moving. Without tiers every method is a no-op, so the scheduler never
+asks whether tiers exist. It changes a sequence's own fields (its pending
+load, its computed tokens) and the engine's counters, never the queues.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+
+from kvtier.engine.request import EngineCounters
+from kvtier.engine.request import Sequence as Seq
+from kvtier.errors import ConfigError, KvTierError, UnknownRequestError
+from kvtier.manager import KVCacheManager
+from kvtier.offload.chain import CompressionResult, TierChain
+
+log = logging.getLogger(__name__)
+
+#: Finished requests whose block keys :meth:`KVConnector.compress` can still find.
+FINISHED_REQUESTS_REMEMBERED = 256
+
+
+class KVConnector:
+    """Tier loads, stores, swaps and compression for one engine (see the module docstring)."""
+
+    def __init__(
+        self, manager: KVCacheManager, tiers: TierChain | None, counters: EngineCounters
+    ) -> None:
+        self.manager = manager
+        #: The chain of tiers below the device (``None``: none configured).
+        self.tiers = tiers
+        self.counters = counters
+        #: Block keys of recently finished requests (request id -> one chain per choice).
+        self._finished_keys: collections.OrderedDict[str, list[list[int]]] = (
+            collections.OrderedDict()
+        )
+
+    # -- prefix loads ------------------------------------------------------------------
+    def start_load(self, seq: Seq, keys: Sequence[int], first: int) -> None:
+        """Load ``keys`` from the tiers into ``seq``'s blocks from block ``first`` on."""
+        assert self.tiers is not None and seq.table is not None
+        blocks = seq.table.blocks[first : first + len(keys)]
+        seq.load = self.tiers.start_load(list(keys), blocks)
+
+    def load_done(self, seq: Seq) -> bool:
+        """Whether ``seq``'s pending load has arrived (install it with :meth:`complete_load`)."""
+        return seq.load is not None and self.tiers is not None and self.tiers.load_done(seq.load)
+
+    def complete_load(self, seq: Seq) -> None:
+        """Install ``seq``'s pending load (waiting for it): its tokens count as computed."""
+        tiers = self.tiers
+        assert tiers is not None and seq.load is not None and seq.table is not None
+        pending, seq.load = seq.load, None
+        loaded = tiers.finish_load(pending) * self.manager.block_size
+        seq.computed += loaded
+        self.counters.loaded_prompt_tokens += loaded
+        if seq.admissions == 1 and not seq.generated:
+            seq.metrics.cached_tokens += loaded
+            self.counters.cached_prompt_tokens += loaded
+        self.load_tail(seq)
+
+    def drop_load(self, seq: Seq) -> None:
+        """Give up ``seq``'s pending load: the tiers' pins on what it read are released."""
+        if seq.load is not None:
+            assert self.tiers is not None
+            self.tiers.finish_load(seq.load)
+            seq.load = None
+
+    def load_tail(self, seq: Seq) -> None:
+        """Bring a swapped-out sequence's partial last block back from its tier."""
+        swapped, seq.swapped = seq.swapped, None
+        if swapped is None or swapped.tail_key is None or self.tiers is None:
+            return
+        bs = self.manager.block_size
+        n = swapped.num_computed_tokens
+        full = n // bs
+        assert seq.table is not None
+        if (
+            n % bs
+            and seq.computed == full * bs
+            and seq.known > n
+            and self.tiers.load_tail(swapped, seq.table.blocks[full])
+        ):
+            seq.computed = n
+            self.counters.loaded_prompt_tokens += n - full * bs
+
+    # -- stores ------------------------------------------------------------------------
+    def store_computed(self, seq: Seq, start: int, end: int) -> None:
+        """Tokens ``start .. end`` of ``seq`` are computed: write-through tiers store them."""
+        tiers = self.tiers
+        bs = self.manager.block_size
+        first, last = start // bs, end // bs
+        if tiers is not None and tiers.writes_through and last > first:
+            assert seq.table is not None
+            keys = self.manager.block_keys(seq.seq_id)[first:last]
+            tiers.store_computed(keys, seq.table.blocks[first : first + len(keys)])
+
+    def swap_out(self, seq: Seq) -> bool:
+        """Move a preempted sequence's computed blocks to the first tier; False if it cannot.
+
+        On success the sequence holds no blocks any more (``seq.swapped`` says
+        where they went); on failure it still holds them and the caller
+        releases them (the request recomputes).
+        """
+        if self.tiers is None or seq.known != seq.computed or seq.computed == 0:
+            return False
+        try:
+            seq.swapped = self.tiers.swap_out(seq.seq_id, seq.tokens, seq.computed)
+        except KvTierError:
+            log.exception("swapping out request %s failed; it will recompute", seq.seq_id)
+            return False
+        seq.table = None
+        seq.known = seq.computed = 0
+        return True
+
+    # -- compression ---------------------------------------------------------------------
+    def remember(self, seq: Seq) -> None:
+        """Keep a finishing sequence's block keys, so :meth:`compress` can find them by id."""
+        if seq.table is None:
+            return
+        keys = self.manager.block_keys(seq.seq_id)
+        chains = self._finished_keys.setdefault(seq.request_id, [])
+        self._finished_keys.move_to_end(seq.request_id)
+        chains.append(keys)
+        while len(self._finished_keys) > FINISHED_REQUESTS_REMEMBERED:
+            self._finished_keys.popitem(last=False)
+
+    def check_compressible(self) -> TierChain:
+        """The tier chain, if it has a compressed device tier; else :class:`ConfigError`."""
+        if self.tiers is None or self.tiers.device_tier() is None:
+            raise ConfigError(
+                "compressing a request's blocks needs a compressed device tier: "
+                "add --tier device:SIZE (TierSpec('device', size, codec='int8'))"
+            )
+        return self.tiers
+
+    def compress(
+        self, request_id: str, chains: Sequence[Sequence[int]] | None, fraction: float
+    ) -> CompressionResult:
+        """Move the cached blocks of ``chains`` to the device tier (``None``: a finished one's).
+
+        Each chain is a request's block keys in order.
+        """
+        tiers = self.check_compressible()
+        if chains is None:
+            found = self._finished_keys.get(request_id)
+            if found is None:
+                raise UnknownRequestError(
+                    f"request {request_id!r} is neither in the engine nor among the "
+                    f"{FINISHED_REQUESTS_REMEMBERED} most recently finished"
+                )
+            chains = found
+        total = CompressionResult(0, 0, 0, 0.0)
+        for keys in chains:
+            total = total + tiers.compress(keys, fraction)
+        return total
+
+    # -- background work ----------------------------------------------------------------
+    @property
+    def stores_pending(self) -> bool:
+        return self.tiers is not None and self.tiers.stores_pending
+
+    def poll(self) -> bool:
+        """Finish the tier stores that completed; False without tiers."""
+        if self.tiers is None:
+            return False
+        self.tiers.poll()
+        return True
+
+    def close(self) -> None:
+        """Finish background tier writes and close the tiers' media."""
+        if self.tiers is not None:
+            self.tiers.close()
