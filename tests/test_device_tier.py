@@ -15,7 +15,6 @@ from test_tier_chain import compute, prompt  # noqa: E402
 from kvtier import BadRequestError, ConfigError, KVCacheManager  # noqa: E402
 from kvtier.engine import KvTierCache  # noqa: E402
 from kvtier.layout import KVLayout, cache_layout  # noqa: E402
-from kvtier.obs.metrics import render_prometheus  # noqa: E402
 from kvtier.offload.chain import Tier, TierChain  # noqa: E402
 from kvtier.offload.codec import HEADER_SIZE, Int8Codec, make_codec, verify  # noqa: E402
 from kvtier.offload.config import TierSpec  # noqa: E402
@@ -23,7 +22,7 @@ from kvtier.offload.device_tier import DeviceStore  # noqa: E402
 from kvtier.offload.host import HostStore  # noqa: E402
 from kvtier.offload.media import ItemFormat  # noqa: E402
 from kvtier.policy import available_policies  # noqa: E402
-from kvtier.server.metrics import tier_families  # noqa: E402
+from kvtier.server.metrics import render, tier_families  # noqa: E402
 from kvtier.storage import KVBlockStorage, QuantizedKVBlockStorage, make_storage  # noqa: E402
 
 BS = 4
@@ -228,7 +227,7 @@ def test_tier_metrics_report_compression() -> None:
     chain = TierChain(storage, mgr, [Tier(DeviceStore(), 16, codec="int8")])
     compute(storage, mgr, "a", prompt(1000, 4), seed=1)
     chain.compress(mgr.hasher.chain(prompt(1000, 4)))
-    text = render_prometheus(tier_families(chain.stats()))
+    text = render(tier_families(chain.stats()))
     assert f'kvtier_tier_bytes_saved{{tier="device"}} {4 * (1024 - 288)}' in text
     assert 'kvtier_tier_compressed_requests_total{tier="device"} 1' in text
     assert 'kvtier_tier_compression_ratio{tier="device"} ' in text

@@ -11,11 +11,10 @@ from tiny_model import tiny_model_and_tokenizer
 
 from kvtier import ConfigError, Ladder, Mode, ModeActions, PressureController, ScriptedMonitor
 from kvtier.engine import Engine, SamplingParams
-from kvtier.obs.metrics import render_prometheus
 from kvtier.offload.chain import Tier
 from kvtier.offload.host import HostStore
 from kvtier.pressure import DEFAULT_ACTIONS, PressureSpec
-from kvtier.server.metrics import metric_families, snapshot_engine
+from kvtier.server.metrics import metric_families, render, snapshot_engine
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
 
@@ -171,7 +170,7 @@ def test_pressure_metrics_and_stats(model_tok: tuple[Any, Any]) -> None:
         ctrl.sample()
         snap = snapshot_engine(eng)
         assert snap.pressure is not None and snap.pressure.mode is Mode.PRESSURE
-        text = render_prometheus(metric_families(snap))
+        text = render(metric_families(snap))
         assert 'kvtier_pressure_mode{mode="PRESSURE"} 1' in text
         assert 'kvtier_pressure_mode{mode="RELAXED"} 0' in text
         assert "kvtier_pressure_level 2" in text

@@ -141,14 +141,14 @@ def test_a_request_that_fails_unexpectedly_fails_alone(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = server.worker.engine
-    real = engine.add_request
+    real = engine.enqueue
 
-    def broken(ids: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-        if params.max_tokens == 7:
+    def broken(seq: Any) -> None:
+        if seq.params.max_tokens == 7:
             raise RuntimeError("an unforeseen bug")
-        return real(ids, params, *args, **kwargs)
+        real(seq)
 
-    monkeypatch.setattr(engine, "add_request", broken)
+    monkeypatch.setattr(engine, "enqueue", broken)
     err = _error(_post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 7}), 500)
     assert "RuntimeError: an unforeseen bug" in err["message"]
     _healthy_and_answering(server)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -59,9 +58,9 @@ from kvtier.engine.config import (
     plan_cache,
 )
 from kvtier.engine.connector import KVConnector
-from kvtier.engine.detok import IncrementalDetokenizer
 from kvtier.engine.hf_cache import layout_for_model
 from kvtier.engine.paged import install
+from kvtier.engine.processor import InputProcessor, bare_chat_tokens
 from kvtier.engine.queues import RequestQueues
 from kvtier.engine.request import (
     EngineCounters,
@@ -72,13 +71,13 @@ from kvtier.engine.request import (
     Sequence as Seq,
 )
 from kvtier.engine.runner import ModelRunner
-from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits
 from kvtier.errors import (
     BadRequestError,
     ConfigError,
 )
-from kvtier.hints import Hints, parse_hints
+from kvtier.hints import Hints
 from kvtier.keys import Namespace
 from kvtier.layout import cache_layout
 from kvtier.manager import KVCacheManager
@@ -172,8 +171,9 @@ class Engine:
         )
         num_blocks = plan.num_blocks
         max_model_len = plan.max_model_len
-        if getattr(tokenizer, "chat_template", None) is not None:
-            check_min_request(plan, len(self.encode_chat([{"role": "user", "content": ""}])))
+        bare = bare_chat_tokens(tokenizer)
+        if bare is not None:
+            check_min_request(plan, bare)
         install(model)
         self.storage = make_storage(self.layout, num_blocks, self.device, compute_dtype=param.dtype)
         self.manager = KVCacheManager(
@@ -231,6 +231,9 @@ class Engine:
         self._ids = itertools.count()
         #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
         self.agents = AgentSupport(self)
+        limits = SchedulerLimits(max_num_seqs, budget, max_model_len)
+        #: Tokenizes and checks requests once (:mod:`kvtier.engine.processor`).
+        self.processor = InputProcessor(tokenizer, model_id, self.vocab_size, limits, self.vlm)
         #: Admission, batching, preemption, finishing (:mod:`kvtier.engine.scheduler`).
         self.scheduler = Scheduler(
             manager=self.manager,
@@ -239,7 +242,7 @@ class Engine:
             connector=self.connector,
             agents=self.agents,
             counters=self.counters,
-            limits=SchedulerLimits(max_num_seqs, budget, max_model_len),
+            limits=limits,
             prefix_caching=prefix_caching,
             pressure=self.pressure,
             tokenizer=tokenizer,
@@ -401,21 +404,7 @@ class Engine:
     # -- prompts ------------------------------------------------------------------
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ready for the reply."""
-        if not messages:
-            raise BadRequestError("messages must be a non-empty list", param="messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise BadRequestError(
-                f"model {self.model_id} has no chat template: use /v1/completions", param="messages"
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template raising on odd input is the caller's input
-            raise BadRequestError(
-                f"messages do not fit the chat template: {exc}", param="messages"
-            ) from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.processor.encode_chat(messages)
 
     def encode_multimodal_chat(
         self, messages: Sequence[dict[str, Any]], items: Sequence[Any]
@@ -430,42 +419,11 @@ class Engine:
         return encode_multimodal_chat(self, messages, items)
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequestError("prompt must be a non-empty string", param="prompt")
-        return list(self.tokenizer.encode(prompt))
+        return self.processor.encode_prompt(prompt)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise :class:`BadRequestError` unless the request can ever run."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise BadRequestError("the prompt is empty", param="messages")
-        vocab = self.vocab_size or 2**32
-        for t in prompt_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise BadRequestError(
-                    f"prompt token id {t!r} is outside [0, {vocab})", param="prompt"
-                )
-        if params.n > self.max_num_seqs:
-            raise BadRequestError(
-                f"n={params.n} choices exceed the {self.max_num_seqs} sequences this engine "
-                "runs at once (max_num_seqs): ask for fewer",
-                param="n",
-            )
-        if self.vocab_size is not None and params.logit_bias:
-            top = max(params.logit_bias)
-            if top >= self.vocab_size:
-                raise BadRequestError(
-                    f"logit_bias names token id {top}, outside the vocabulary of "
-                    f"{self.vocab_size}",
-                    param="logit_bias",
-                )
-        if n + params.max_tokens > self.max_model_len:
-            raise BadRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + params.max_tokens} tokens ({n} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens" if n < self.max_model_len else "messages",
-            )
+        self.processor.check_request(prompt_ids, params)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -489,36 +447,26 @@ class Engine:
         request: its prefix is shared only with requests of the same salt, on
         the device and on every tier.
         """
-        params = params or SamplingParams()
-        ids = list(prompt_ids)
-        checked = parse_hints(hints, where="hints")
-        check_cache_salt(cache_salt)
-        self.check_request(ids, params)
-        if mm is not None:
-            from kvtier.mm.engine import check_multimodal
-
-            check_multimodal(self, ids, mm)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.queues:
-            raise BadRequestError(f"request id {rid!r} is already in the engine")
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        seq = Seq(
+        seq = self.processor.process(
+            prompt_ids,
+            params or SamplingParams(),
             rid,
-            ids,
-            params,
-            Sampler(params),
-            IncrementalDetokenizer(self.tokenizer, params.stop),
-            RequestMetrics(now, len(ids)),
-            seq_id=rid,
-            forked=params.n == 1,
-            hints=checked,
+            arrival_time=arrival_time,
+            mm=mm,
+            hints=hints,
             cache_salt=cache_salt,
         )
-        seq.mm = mm
+        self.enqueue(seq)
+        return rid
+
+    def enqueue(self, seq: Seq) -> None:
+        """Queue a request already checked by :attr:`processor` (``InputProcessor.process``)."""
+        if seq.request_id in self.queues:
+            raise BadRequestError(f"request id {seq.request_id!r} is already in the engine")
         self.queues.add(seq)
         self.counters.requests_added += 1
-        self.counters.prompt_tokens += len(ids)
-        return rid
+        self.counters.prompt_tokens += len(seq.prompt_ids)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (every choice) at the next step; its computed blocks stay cached."""
@@ -657,22 +605,6 @@ class Engine:
                         return
 
 
-#: The longest ``cache_salt`` a request may carry.
-MAX_CACHE_SALT_CHARS = 256
-
-
-def check_cache_salt(salt: object) -> None:
-    """Raise :class:`BadRequestError` unless ``salt`` is ``None`` or a usable cache salt."""
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
-        raise BadRequestError(
-            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-            f"characters, got {salt!r:.40}",
-            param="cache_salt",
-        )
-
-
 def check_config(config: EngineConfig, tokenizer: Any = None) -> None:
     """Check ``config`` against its model's files (and tokenizer) without loading weights.
 
@@ -684,11 +616,9 @@ def check_config(config: EngineConfig, tokenizer: Any = None) -> None:
 
     info = probe_model(config.model, model_id=config.model_id)
     plan = config.plan(info.layout(config.cache.block_size, config.dtype), info.max_positions)
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False
-        )
-        check_min_request(plan, len(tokenizer.encode(text, add_special_tokens=False)))
+    bare = None if tokenizer is None else bare_chat_tokens(tokenizer)
+    if bare is not None:
+        check_min_request(plan, bare)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

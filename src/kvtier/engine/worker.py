@@ -26,10 +26,11 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvtier.engine.engine import Engine, RequestOutput, check_cache_salt
+from kvtier.engine.engine import Engine, RequestOutput
+from kvtier.engine.request import Sequence as Seq
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvTierError
-from kvtier.hints import Hints, parse_hints
+from kvtier.hints import Hints
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,7 @@ class EngineWorker:
         self._on_fatal = on_fatal
         self._cv = threading.Condition()
         self._background_failed = False
-        self._inbox: list[
-            tuple[list[int], SamplingParams, RequestHandle, float, Any, Hints | None, str | None]
-        ] = []
+        self._inbox: list[tuple[Seq, RequestHandle]] = []
         self._cancels: list[str] = []
         self._handles: dict[str, RequestHandle] = {}
         self._calls: list[Callable[[Engine], None]] = []
@@ -183,25 +182,31 @@ class EngineWorker:
         ``mm`` is the prompt's images (:meth:`Engine.encode_multimodal_chat`);
         ``cache_salt`` limits prefix sharing to requests with the same salt.
         """
-        ids = list(prompt_ids)
-        checked = parse_hints(hints, where="kvtier")
-        check_cache_salt(cache_salt)
-        self.engine.check_request(ids, params)  # reads configuration only: thread-safe
-        if mm is not None:
-            from kvtier.mm.engine import check_multimodal
-
-            check_multimodal(self.engine, ids, mm)
         with self._cv:
             if self._stop or self.fatal is not None:
                 raise KvTierError("the engine worker is stopped")
             self._ids += 1
-            handle = RequestHandle(self, f"req-{self._ids}", params.n)
+            rid = f"req-{self._ids}"
+        # Checked and built here, in the caller's thread: the processor reads
+        # configuration only, and the engine thread just queues the result.
+        seq = self.engine.processor.process(
+            prompt_ids,
+            params,
+            rid,
+            arrival_time=time.perf_counter(),
+            mm=mm,
+            hints=hints,
+            cache_salt=cache_salt,
+            hints_field="kvtier",
+        )
+        with self._cv:
+            if self._stop or self.fatal is not None:
+                raise KvTierError("the engine worker is stopped")
+            handle = RequestHandle(self, rid, params.n)
             if loop is not None:
                 handle.bind_loop(loop)
-            self._handles[handle.request_id] = handle
-            self._inbox.append(
-                (ids, params, handle, time.perf_counter(), mm, checked, cache_salt)
-            )
+            self._handles[rid] = handle
+            self._inbox.append((seq, handle))
             self._cv.notify()
         return handle
 
@@ -328,17 +333,9 @@ class EngineWorker:
                 calls, self._calls = self._calls, []
             for task in calls:
                 task(engine)
-            for ids, params, handle, arrival, mm, hints, salt in inbox:
+            for seq, handle in inbox:
                 try:
-                    engine.add_request(
-                        ids,
-                        params,
-                        handle.request_id,
-                        arrival_time=arrival,
-                        mm=mm,
-                        hints=hints,
-                        cache_salt=salt,
-                    )
+                    engine.enqueue(seq)
                 except KvTierError as exc:
                     self._fail(handle, str(exc))
                 except Exception as exc:  # a bug, but this request's alone
@@ -389,7 +386,7 @@ class EngineWorker:
             handles = list(self._handles.values())
         for task in calls:
             task(self.engine)
-        for _, _, handle, *_ in inbox:
+        for _, handle in inbox:
             self._fail(handle, message)
         for handle in handles:
             self._fail(handle, message)

@@ -78,21 +78,6 @@ def encode_multimodal_chat(
     return build_chat_prompt(engine.vlm, list(messages), items, cache=engine.encoder_cache)
 
 
-def check_multimodal(engine: Engine, ids: Sequence[int], mm: MultimodalPrompt) -> None:
-    """Raise unless ``mm``'s placeholders sit on image tokens of ``ids`` for this model."""
-    if engine.vlm is None or mm.model is not engine.vlm:
-        raise BadRequestError(
-            f"this request's images were prepared for another model than {engine.model_id}",
-            param="messages",
-        )
-    token = engine.vlm.image_token_id
-    for p in mm.placeholders:
-        if p.offset + p.length > len(ids) or any(ids[q] != token for q in p.positions):
-            raise BadRequestError(
-                "the prompt's image placeholders do not match its token ids", param="messages"
-            )
-
-
 def fetch_features(
     batch: list[tuple[Seq, int]],
 ) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, str]]]:

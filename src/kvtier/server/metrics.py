@@ -2,22 +2,47 @@
 
 A snapshot is taken on the engine's thread, between steps, so the numbers
 of one scrape are consistent with each other.
+
+``/metrics`` is served by ``prometheus_client``: each app has a
+:class:`~prometheus_client.CollectorRegistry` of its own (never the global
+one, so several apps in one process, as in the tests, do not clash) holding
+an :class:`EngineCollector`, which reads the engine when it is scraped and
+yields the families below. One server process serves one engine and every
+number lives in that process, so the registry needs no multiprocess mode.
+
+Counters are ``CounterMetricFamily`` named with their ``_total`` suffix
+(``prometheus_client`` exposes ``NAME_total`` for family ``NAME``); gauges
+and the time-to-first-token histogram keep the names, labels and buckets
+they always had.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
 from kvtier.engine.engine import Engine
+from kvtier.engine.worker import EngineWorker
 from kvtier.manager import CacheStats
-from kvtier.obs.metrics import Histogram, MetricFamily
+from kvtier.obs.metrics import Histogram
 from kvtier.pressure.controller import PressureStats
 from kvtier.pressure.ladder import Mode
 
-#: Content type of the Prometheus text exposition format.
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+#: Content type of the Prometheus text exposition format, what a scrape without
+#: an ``Accept`` header for OpenMetrics gets.
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 _FINISH_REASONS = ("stop", "length", "abort", "rejected", "error")
 
@@ -48,6 +73,8 @@ class EngineSnapshot:
     pressure: PressureStats | None = None
     #: The encoder-output cache's state (``None`` for a text model or with it off).
     encoder_cache: dict[str, Any] | None = None
+    #: Tokens a KV block holds (0: unknown).
+    block_size: int = 0
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -74,6 +101,7 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         encoder_cache=(
             None if engine.encoder_cache is None else engine.encoder_cache.stats().as_dict()
         ),
+        block_size=engine.layout.block_size,
     )
 
 
@@ -85,106 +113,132 @@ def stats_dict(stats: CacheStats) -> dict[str, Any]:
     }
 
 
-def metric_families(snap: EngineSnapshot) -> list[MetricFamily]:
+# -- building families -----------------------------------------------------------------
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    """An unlabelled counter; ``name`` ends in ``_total``, which is what is exposed."""
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _labelled_counter(name: str, doc: str, *labels: str) -> CounterMetricFamily:
+    """A counter with ``labels``, kept in sorted order (see :func:`_add`)."""
+    return CounterMetricFamily(name, doc, labels=sorted(labels))
+
+
+def _labelled_gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=sorted(labels))
+
+
+def _add(family: CounterMetricFamily | GaugeMetricFamily, value: float, **labels: str) -> None:
+    """One sample of a family made by ``_labelled_*`` (label values in name order)."""
+    family.add_metric([v for _, v in sorted(labels.items())], value)
+
+
+def histogram_family(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+    """A :class:`~kvtier.obs.metrics.Histogram`'s cumulative buckets, sum and count."""
+    buckets = [
+        ("+Inf" if bound == math.inf else repr(float(bound)), float(total))
+        for bound, total in h.cumulative()
+    ]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.sum)
+
+
+def metric_families(snap: EngineSnapshot) -> list[Metric]:
     """The Prometheus metric families for one snapshot."""
     s = snap.stats
-    finished = MetricFamily(
-        "kvtier_requests_finished_total", "counter", "Requests finished, by finish reason."
+    finished = _labelled_counter(
+        "kvtier_requests_finished_total", "Requests finished, by finish reason.", "reason"
     )
     for reason in sorted({*_FINISH_REASONS, *snap.finished}):
-        finished.add(snap.finished.get(reason, 0), reason=reason)
-    return [
-        MetricFamily(
+        _add(finished, snap.finished.get(reason, 0), reason=reason)
+    families: list[Metric] = [
+        _counter(
             "kvtier_prefix_cache_hit_tokens_total",
-            "counter",
             "Prompt tokens found in the prefix cache.",
-        ).add(s.hit_tokens),
-        MetricFamily(
+            s.hit_tokens,
+        ),
+        _counter(
             "kvtier_prefix_cache_queried_tokens_total",
-            "counter",
             "Prompt tokens looked up in the prefix cache.",
-        ).add(s.queried_tokens),
-        MetricFamily(
+            s.queried_tokens,
+        ),
+        _gauge(
             "kvtier_prefix_cache_hit_ratio",
-            "gauge",
             "Prefix-cache hit tokens / queried tokens since start.",
-        ).add(s.hit_ratio),
-        MetricFamily("kvtier_kv_blocks_used", "gauge", "KV blocks held by requests.").add(
-            s.used_blocks
+            s.hit_ratio,
         ),
-        MetricFamily(
-            "kvtier_kv_blocks_free", "gauge", "KV blocks free or evictable (cached, unreferenced)."
-        ).add(s.free_blocks),
-        MetricFamily(
-            "kvtier_kv_blocks_cached", "gauge", "KV blocks holding a reusable prefix."
-        ).add(s.cached_blocks),
-        MetricFamily("kvtier_kv_blocks_total", "gauge", "KV blocks in the pool.").add(
-            s.total_blocks
+        _gauge("kvtier_kv_blocks_used", "KV blocks held by requests.", s.used_blocks),
+        _gauge(
+            "kvtier_kv_blocks_free",
+            "KV blocks free or evictable (cached, unreferenced).",
+            s.free_blocks,
         ),
-        MetricFamily("kvtier_kv_cache_usage", "gauge", "Share of KV blocks in use (0 to 1).").add(
-            s.usage
+        _gauge("kvtier_kv_blocks_cached", "KV blocks holding a reusable prefix.", s.cached_blocks),
+        _gauge("kvtier_kv_blocks_total", "KV blocks in the pool.", s.total_blocks),
+        _gauge("kvtier_kv_cache_usage", "Share of KV blocks in use (0 to 1).", s.usage),
+        _counter(
+            "kvtier_kv_evictions_total", "Cached KV blocks evicted to make room.", s.evictions
         ),
-        MetricFamily(
-            "kvtier_kv_evictions_total", "counter", "Cached KV blocks evicted to make room."
-        ).add(s.evictions),
-        MetricFamily(
+        _counter(
             "kvtier_kv_cascade_evictions_total",
-            "counter",
             "Cached KV blocks dropped because their prefix parent was evicted.",
-        ).add(s.cascade_evictions),
-        MetricFamily("kvtier_requests_running", "gauge", "Requests being generated.").add(
-            snap.running
+            s.cascade_evictions,
         ),
-        MetricFamily("kvtier_requests_waiting", "gauge", "Requests waiting to be scheduled.").add(
-            snap.waiting
-        ),
-        MetricFamily("kvtier_requests_total", "counter", "Requests accepted by the engine.").add(
-            snap.requests_added
-        ),
+        _gauge("kvtier_requests_running", "Requests being generated.", snap.running),
+        _gauge("kvtier_requests_waiting", "Requests waiting to be scheduled.", snap.waiting),
+        _counter("kvtier_requests_total", "Requests accepted by the engine.", snap.requests_added),
         finished,
-        MetricFamily("kvtier_prompt_tokens_total", "counter", "Prompt tokens of all requests.").add(
-            snap.prompt_tokens
+        _counter(
+            "kvtier_prompt_tokens_total", "Prompt tokens of all requests.", snap.prompt_tokens
         ),
-        MetricFamily(
+        _counter(
             "kvtier_prompt_tokens_cached_total",
-            "counter",
             "Prompt tokens served from the prefix cache at admission.",
-        ).add(snap.cached_prompt_tokens),
-        MetricFamily(
-            "kvtier_prompt_tokens_computed_total",
-            "counter",
-            "Prompt (and resumed) tokens run through the model.",
-        ).add(snap.computed_prompt_tokens),
-        MetricFamily("kvtier_generation_tokens_total", "counter", "Tokens generated.").add(
-            snap.generation_tokens
+            snap.cached_prompt_tokens,
         ),
-        MetricFamily(
+        _counter(
+            "kvtier_prompt_tokens_computed_total",
+            "Prompt (and resumed) tokens run through the model.",
+            snap.computed_prompt_tokens,
+        ),
+        _counter("kvtier_generation_tokens_total", "Tokens generated.", snap.generation_tokens),
+        histogram_family(
             "kvtier_time_to_first_token_seconds",
-            "histogram",
             "Time from a request's arrival to its first generated token.",
-        ).add(snap.ttft),
-        MetricFamily(
+            snap.ttft,
+        ),
+        _counter(
             "kvtier_preemptions_total",
-            "counter",
             "Running requests preempted for lack of KV blocks.",
-        ).add(snap.preemptions),
-        MetricFamily(
-            "kvtier_forward_errors_total", "counter", "Requests that failed in the model."
-        ).add(snap.forward_errors),
-        MetricFamily(
+            snap.preemptions,
+        ),
+        _counter(
+            "kvtier_forward_errors_total", "Requests that failed in the model.", snap.forward_errors
+        ),
+        _counter(
             "kvtier_loaded_prompt_tokens_total",
-            "counter",
             "Prompt tokens whose KV was loaded from a tier below the device.",
-        ).add(snap.loaded_prompt_tokens),
-        MetricFamily(
+            snap.loaded_prompt_tokens,
+        ),
+        _counter(
             "kvtier_forked_sequences_total",
-            "counter",
             "Choices (n > 1) started from a shared, computed prompt instead of recomputing it.",
-        ).add(snap.forked_sequences),
-        *tier_families(snap.tiers),
-        *pressure_families(snap.pressure, snap.stats.pressure_evictions),
-        *encoder_cache_families(snap.encoder_cache),
+            snap.forked_sequences,
+        ),
     ]
+    if snap.block_size:
+        families.append(
+            _gauge("kvtier_kv_block_size_tokens", "Tokens a KV block holds.", snap.block_size)
+        )
+    families += tier_families(snap.tiers)
+    families += pressure_families(snap.pressure, snap.stats.pressure_evictions)
+    families += encoder_cache_families(snap.encoder_cache)
+    return families
 
 
 #: Per-modality encoder-cache counters: (stats key, metric suffix, help).
@@ -195,74 +249,77 @@ _ENCODER_LOOKUPS = (
     ("misses", "misses", "Items the encoder ran for"),
 )
 
+#: The encoder cache's other numbers: (stats key, metric suffix, counter?, help).
+_ENCODER_PLAIN = (
+    ("bytes_held", "bytes", False, "Bytes of encoder outputs held in memory."),
+    ("capacity_bytes", "capacity_bytes", False, "The encoder cache's byte budget."),
+    ("entries", "entries", False, "Encoder outputs held in memory."),
+    ("pinned_entries", "pinned_entries", False, "Encoder outputs in use by requests."),
+    ("evictions", "evictions_total", True, "Encoder outputs evicted from memory."),
+    ("oversize", "oversize_total", True, "Outputs larger than the whole budget."),
+    ("not_cached", "not_cached_total", True, "Outputs returned but not cached."),
+    ("encoder_failures", "failures_total", True, "Encoder runs that raised."),
+    ("encode_seconds", "encode_seconds_total", True, "Seconds spent encoding."),
+    (
+        "encode_seconds_saved",
+        "encode_seconds_saved_total",
+        True,
+        "Encoding seconds memory hits did not spend.",
+    ),
+)
 
-def encoder_cache_families(e: dict[str, Any] | None) -> list[MetricFamily]:
+
+def encoder_cache_families(e: dict[str, Any] | None) -> list[Metric]:
     """The encoder-output cache's gauges and counters (per modality); none when it is off."""
     if e is None:
         return []
-    families = []
+    families: list[Metric] = []
     for key, suffix, what in _ENCODER_LOOKUPS:
-        fam = MetricFamily(f"kvtier_encoder_cache_{suffix}_total", "counter", what + ".")
+        fam = _labelled_counter(f"kvtier_encoder_cache_{suffix}_total", what + ".", "modality")
         for modality, counts in sorted(e["by_modality"].items()):
-            fam.add(counts[key], modality=modality)
+            _add(fam, counts[key], modality=modality)
         families.append(fam)
-    plain = (
-        ("bytes_held", "bytes", "gauge", "Bytes of encoder outputs held in memory."),
-        ("capacity_bytes", "capacity_bytes", "gauge", "The encoder cache's byte budget."),
-        ("entries", "entries", "gauge", "Encoder outputs held in memory."),
-        ("pinned_entries", "pinned_entries", "gauge", "Encoder outputs in use by requests."),
-        ("evictions", "evictions_total", "counter", "Encoder outputs evicted from memory."),
-        ("oversize", "oversize_total", "counter", "Outputs larger than the whole budget."),
-        ("not_cached", "not_cached_total", "counter", "Outputs returned but not cached."),
-        ("encoder_failures", "failures_total", "counter", "Encoder runs that raised."),
-        ("encode_seconds", "encode_seconds_total", "counter", "Seconds spent encoding."),
-        (
-            "encode_seconds_saved",
-            "encode_seconds_saved_total",
-            "counter",
-            "Encoding seconds memory hits did not spend.",
-        ),
-    )
-    for key, suffix, kind, what in plain:
-        families.append(MetricFamily(f"kvtier_encoder_cache_{suffix}", kind, what).add(e[key]))
+    for key, suffix, is_counter, what in _ENCODER_PLAIN:
+        make = _counter if is_counter else _gauge
+        families.append(make(f"kvtier_encoder_cache_{suffix}", what, e[key]))
     return families
 
 
-def pressure_families(p: PressureStats | None, evictions: int) -> list[MetricFamily]:
+def pressure_families(p: PressureStats | None, evictions: int) -> list[Metric]:
     """The pressure mode (one gauge per mode, 1 for the current one) and its counters."""
     if p is None:
         return []
-    mode = MetricFamily(
-        "kvtier_pressure_mode", "gauge", "Memory pressure mode: 1 for the current one."
+    mode = _labelled_gauge(
+        "kvtier_pressure_mode", "Memory pressure mode: 1 for the current one.", "mode"
     )
     for m in Mode:
-        mode.add(1 if m is p.mode else 0, mode=m.name)
+        _add(mode, 1 if m is p.mode else 0, mode=m.name)
+    ratio = _labelled_gauge(
+        "kvtier_memory_usage_ratio", "Share of memory in use, as the monitor read it.", "source"
+    )
+    _add(ratio, p.fraction, source=p.source)
     return [
         mode,
-        MetricFamily(
-            "kvtier_pressure_level", "gauge", "Memory pressure mode as a number (0 to 4)."
-        ).add(int(p.mode)),
-        MetricFamily(
-            "kvtier_memory_usage_ratio", "gauge", "Share of memory in use, as the monitor read it."
-        ).add(p.fraction, source=p.source),
-        MetricFamily(
-            "kvtier_pressure_mode_changes_total", "counter", "Pressure mode changes."
-        ).add(p.mode_changes),
-        MetricFamily(
+        _gauge(
+            "kvtier_pressure_level", "Memory pressure mode as a number (0 to 4).", int(p.mode)
+        ),
+        ratio,
+        _counter("kvtier_pressure_mode_changes_total", "Pressure mode changes.", p.mode_changes),
+        _counter(
             "kvtier_pressure_rejections_total",
-            "counter",
             "New requests memory pressure held back or refused.",
-        ).add(p.rejected),
-        MetricFamily(
+            p.rejected,
+        ),
+        _counter(
             "kvtier_pressure_evictions_total",
-            "counter",
             "Cached blocks evicted to reach a pressure mode's free-block target.",
-        ).add(evictions),
-        MetricFamily(
+            evictions,
+        ),
+        _counter(
             "kvtier_pressure_monitor_errors_total",
-            "counter",
             "Memory monitor readings that failed.",
-        ).add(p.monitor_errors),
+            p.monitor_errors,
+        ),
     ]
 
 
@@ -276,62 +333,145 @@ _TIER_ERRORS = {
 }
 
 
-def tier_families(tiers: dict[str, dict[str, float]]) -> list[MetricFamily]:
+def tier_families(tiers: dict[str, dict[str, float]]) -> list[Metric]:
     """Per-tier metrics (labelled ``tier``); none without tiers."""
     if not tiers:
         return []
-    used = MetricFamily("kvtier_tier_blocks", "gauge", "Blocks held by a tier below the device.")
-    cap = MetricFamily("kvtier_tier_capacity_blocks", "gauge", "Blocks a tier can hold.")
-    loaded = MetricFamily(
-        "kvtier_tier_loaded_blocks_total", "counter", "Blocks loaded from a tier to the device."
+    used = _labelled_gauge("kvtier_tier_blocks", "Blocks held by a tier below the device.", "tier")
+    cap = _labelled_gauge("kvtier_tier_capacity_blocks", "Blocks a tier can hold.", "tier")
+    loaded = _labelled_counter(
+        "kvtier_tier_loaded_blocks_total", "Blocks loaded from a tier to the device.", "tier"
     )
-    stored = MetricFamily("kvtier_tier_stored_blocks_total", "counter", "Blocks stored on a tier.")
-    nbytes = MetricFamily(
-        "kvtier_tier_transferred_bytes_total", "counter", "Payload bytes moved to or from a tier."
+    stored = _labelled_counter(
+        "kvtier_tier_stored_blocks_total", "Blocks stored on a tier.", "tier"
     )
-    evicted = MetricFamily("kvtier_tier_evictions_total", "counter", "Blocks a tier evicted.")
-    errors = MetricFamily(
+    nbytes = _labelled_counter(
+        "kvtier_tier_transferred_bytes_total",
+        "Payload bytes moved to or from a tier.",
+        "tier",
+        "direction",
+    )
+    evicted = _labelled_counter("kvtier_tier_evictions_total", "Blocks a tier evicted.", "tier")
+    errors = _labelled_counter(
         "kvtier_tier_errors_total",
-        "counter",
         "Tier problems: corrupt or vanished blocks (served as misses), unreachable media, "
         "failed stores, demotions dropped for lack of room, blocks the medium lost "
         "(found by reconciliation).",
+        "tier",
+        "kind",
     )
-    codec_time = MetricFamily(
+    codec_time = _labelled_counter(
         "kvtier_tier_codec_seconds_total",
-        "counter",
         "Seconds spent encoding blocks for a tier (compressing) and decoding them back.",
+        "tier",
+        "direction",
     )
-    ratio = MetricFamily(
+    ratio = _labelled_gauge(
         "kvtier_tier_compression_ratio",
-        "gauge",
         "Bytes of a device pool block per byte a tier stores for it.",
+        "tier",
     )
-    saved = MetricFamily(
+    saved = _labelled_gauge(
         "kvtier_tier_bytes_saved",
-        "gauge",
         "Bytes a tier's blocks would take more at the device pool's block size.",
+        "tier",
     )
-    compressed = MetricFamily(
+    compressed = _labelled_counter(
         "kvtier_tier_compressed_requests_total",
-        "counter",
         "Requests whose cached blocks were moved to a tier by compress_request.",
+        "tier",
     )
     for name, d in tiers.items():
-        codec_time.add(d["encode_seconds"], tier=name, direction="encode")
-        codec_time.add(d["decode_seconds"], tier=name, direction="decode")
-        ratio.add(d["compression_ratio"], tier=name)
-        saved.add(d["bytes_saved"], tier=name)
-        compressed.add(d["compressed_requests"], tier=name)
-        used.add(d["used_blocks"], tier=name)
-        cap.add(d["capacity_blocks"], tier=name)
-        loaded.add(d["loaded_blocks"], tier=name)
-        stored.add(d["stored_blocks"], tier=name)
-        nbytes.add(d["loaded_bytes"], tier=name, direction="load")
-        nbytes.add(d["stored_bytes"], tier=name, direction="store")
-        evicted.add(d["evictions"], tier=name)
+        _add(codec_time, d["encode_seconds"], tier=name, direction="encode")
+        _add(codec_time, d["decode_seconds"], tier=name, direction="decode")
+        _add(ratio, d["compression_ratio"], tier=name)
+        _add(saved, d["bytes_saved"], tier=name)
+        _add(compressed, d["compressed_requests"], tier=name)
+        _add(used, d["used_blocks"], tier=name)
+        _add(cap, d["capacity_blocks"], tier=name)
+        _add(loaded, d["loaded_blocks"], tier=name)
+        _add(stored, d["stored_blocks"], tier=name)
+        _add(nbytes, d["loaded_bytes"], tier=name, direction="load")
+        _add(nbytes, d["stored_bytes"], tier=name, direction="store")
+        _add(evicted, d["evictions"], tier=name)
         for kind, field_name in _TIER_ERRORS.items():
-            errors.add(d[field_name], tier=name, kind=kind)
+            _add(errors, d[field_name], tier=name, kind=kind)
     return [
         used, cap, loaded, stored, nbytes, evicted, errors, codec_time, ratio, saved, compressed
     ]
+
+
+# -- registries and exposition -----------------------------------------------------------
+
+
+class EngineCollector:
+    """A ``prometheus_client`` collector that reads the engine each time it is scraped.
+
+    ``read`` returns a fresh :class:`EngineSnapshot`; it is called once per
+    scrape, on the scraping thread.
+    """
+
+    def __init__(self, read: Callable[[], EngineSnapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        return metric_families(self._read())
+
+
+class _Families:
+    """A collector over families built beforehand (for :func:`render`)."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def worker_reader(
+    worker: EngineWorker, timeout: float | None = 30.0
+) -> Callable[[], EngineSnapshot]:
+    """A blocking snapshot read of ``worker``'s engine, taken between steps on its thread.
+
+    Once no thread owns the engine any more the engine is read directly;
+    a worker that does not answer within ``timeout`` raises
+    :class:`~kvtier.errors.KvTierError`.
+    """
+
+    def read() -> EngineSnapshot:
+        if not worker.alive:
+            return snapshot_engine(worker.engine)
+        return worker.call(snapshot_engine, timeout)
+
+    return read
+
+
+def metrics_registry(
+    read: Callable[[], EngineSnapshot], *, process: bool = True
+) -> CollectorRegistry:
+    """A registry of its own with an :class:`EngineCollector` over ``read``.
+
+    ``process`` adds ``prometheus_client``'s ``process_*`` metrics (the
+    server's memory, CPU time and open files, where the platform has them).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(read))
+    if process:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:
+    """The scrape body and its content type, in the format the ``Accept`` header asks for.
+
+    Prometheus' text format 0.0.4 unless the scraper asks for OpenMetrics.
+    """
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
+
+
+def render(families: Iterable[Metric]) -> str:
+    """The Prometheus text exposition (format 0.0.4) of ``families``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families)))
+    return generate_latest(registry).decode()
