@@ -16,6 +16,7 @@ import uvicorn
 from kvtier.engine import Engine, EngineWorker
 from kvtier.mm.images import ImageLimits
 from kvtier.server import create_app
+from kvtier.server.auth import ServerAuth
 from kvtier.server.limits import ServerLimits
 
 MODEL = "tiny-chat"
@@ -30,8 +31,8 @@ class Server:
     def v1(self) -> str:
         return f"{self.base}/v1"
 
-    def client(self) -> Any:
-        return openai.OpenAI(base_url=self.v1, api_key="x", max_retries=0, timeout=60)
+    def client(self, api_key: str = "x", **kwargs: Any) -> Any:
+        return openai.OpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=60, **kwargs)
 
 
 @contextmanager
@@ -41,16 +42,25 @@ def serving(
     *,
     limits: ServerLimits | None = None,
     image_limits: ImageLimits | None = None,
+    auth: ServerAuth | None = None,
+    tls: dict[str, str] | None = None,
 ) -> Iterator[Server]:
-    """Serve ``engine`` with uvicorn on a free loopback port, in a background thread."""
+    """Serve ``engine`` with uvicorn on a free loopback port, in a background thread.
+
+    ``tls`` holds uvicorn's ``ssl_certfile`` and ``ssl_keyfile``: the server speaks https.
+    """
     worker = EngineWorker(engine).start()
-    app = create_app(worker, served_model_name=name, limits=limits, image_limits=image_limits)
+    app = create_app(
+        worker, served_model_name=name, limits=limits, image_limits=image_limits, auth=auth
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **(tls or {})
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -59,7 +69,8 @@ def serving(
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield Server(f"http://127.0.0.1:{port}", worker)
+        scheme = "https" if tls else "http"
+        yield Server(f"{scheme}://127.0.0.1:{port}", worker)
     finally:
         server.should_exit = True
         thread.join(15)

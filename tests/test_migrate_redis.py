@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -37,11 +38,23 @@ from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.migrate import attach_state, detach, release  # noqa: E402
 from kvtier.errors import MigrationError  # noqa: E402
 from kvtier.offload.config import TierSpec  # noqa: E402
+from kvtier.server.auth import ServerAuth  # noqa: E402
 
 if not redis_server_available():
     pytest.skip("redis-server / redis-cli are not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+#: The admin key the servers of these tests share.
+ADMIN_KEY = "admin-key-shared-by-the-servers"
+#: A loopback port nothing listens on: a peer that is down.
+DOWN = "http://127.0.0.1:9"
+
+
+def admin(*peers: str) -> ServerAuth:
+    """Admin endpoints on, moves allowed to ``peers``."""
+    return ServerAuth(admin_key=ADMIN_KEY, migrate_peers=peers)
 
 
 PROMPT = [7, 21, 33, 40, 8, 9, 60, 61, 62, 5, 17, 29, 31, 44, 50, 52, 70, 71, 72, 3 + 10]
@@ -129,13 +142,16 @@ def test_moving_through_a_tier_needs_a_shared_one() -> None:
 
 
 def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as r:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"},
     )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -174,8 +190,8 @@ def test_a_streaming_client_keeps_streaming_while_its_request_moves(
     redis_server: RedisServer,
 ) -> None:
     with (
-        serving(engine(redis_server.url)) as a,
-        serving(engine(redis_server.url)) as b,
+        serving(engine(redis_server.url), auth=admin()) as b,
+        serving(engine(redis_server.url), auth=admin(b.base)) as a,
     ):
         ref = a.client().completions.create(
             model=MODEL, prompt=TEXT, max_tokens=300, temperature=0
@@ -195,7 +211,10 @@ def test_a_streaming_client_keeps_streaming_while_its_request_moves(
 def test_a_client_leaving_after_a_move_cancels_the_request_where_it_runs(
     redis_server: RedisServer,
 ) -> None:
-    with serving(engine(redis_server.url)) as a, serving(engine(redis_server.url)) as b:
+    with (
+        serving(engine(redis_server.url), auth=admin()) as b,
+        serving(engine(redis_server.url), auth=admin(b.base)) as a,
+    ):
         stream = a.client().completions.create(
             model=MODEL, prompt=TEXT, max_tokens=400, temperature=0, stream=True
         )
@@ -223,11 +242,14 @@ def test_a_refused_move_leaves_the_request_streaming_from_its_server(
     model, tok = tiny_model_and_tokenizer()
     other = Engine(model, tok, model_id="another", block_size=4, num_blocks=64,
                    tiers=[TierSpec("redis", 2**22, location=redis_server.url)])  # fmt: skip
-    with serving(engine(redis_server.url)) as a, serving(other) as b:
+    with (
+        serving(other, auth=admin()) as b,
+        serving(engine(redis_server.url), auth=admin(DOWN, b.base)) as a,
+    ):
         ref = a.client().completions.create(
             model=MODEL, prompt=TEXT, max_tokens=200, temperature=0
         )
-        url = "http://127.0.0.1:9" if target == "down" else b.base
+        url = DOWN if target == "down" else b.base
         text, usage, (status, body) = stream_and_move(a, url, 200)
         assert status == (502 if target == "down" else 409), body
         assert body["error"]["type"] == "migration_error"
@@ -237,10 +259,10 @@ def test_a_refused_move_leaves_the_request_streaming_from_its_server(
 
 
 def test_admin_requests_bad_input(redis_server: RedisServer) -> None:
-    with serving(engine(redis_server.url)) as a:
+    with serving(engine(redis_server.url), auth=admin(DOWN)) as a:
         status, body = _post(f"{a.base}/admin/migrate", {"request_id": 3})
         assert status == 400
-        status, body = _post(f"{a.base}/admin/migrate", {"request_id": "x", "target": a.base})
+        status, body = _post(f"{a.base}/admin/migrate", {"request_id": "x", "target": DOWN})
         assert status == 409 and "not on this engine" in body["error"]["message"]
         status, body = _post(f"{a.base}/admin/migrate/accept", {"version": 99})
         assert status == 409 and "version" in body["error"]["message"]
@@ -257,14 +279,18 @@ def test_two_kvtier_serve_processes_move_a_request_through_redis(
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     tier = f"{redis_server.url}?size=32MiB"
-    args = ["serve", "--model", str(tmp_path), "--served-model-name", MODEL, "--port", "0",
-            "--num-blocks", "160", "--block-size", "4", "--tier", tier, "--log-level", "warning"]
+    ports = _free_ports(2)
+    args = ["serve", "--model", str(tmp_path), "--served-model-name", MODEL,
+            "--num-blocks", "160", "--block-size", "4", "--tier", tier, "--log-level", "warning",
+            "--admin-key", ADMIN_KEY]
     procs = [
         subprocess.Popen(
-            kvtier_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            kvtier_cli(*args, "--port", str(port),
+                       "--migrate-peer", f"http://127.0.0.1:{ports[1 - i]}"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        for _ in range(2)
+        for i, port in enumerate(ports)
     ]  # fmt: skip
     try:
         urls = [_serving_url(p) for p in procs]
@@ -290,6 +316,17 @@ def test_two_kvtier_serve_processes_move_a_request_through_redis(
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _serving_url(proc: subprocess.Popen[str]) -> str:

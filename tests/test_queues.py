@@ -117,10 +117,14 @@ class QueuesMachine(RuleBasedStateMachine):
             del self.groups[seq.request_id]
         assert last == (seq.request_id not in self.groups)
 
-    @precondition(lambda self: self.waiting or self.running)
+    def _movable(self) -> list[Seq]:
+        """Sequences that may move: a request's only choice (as migration requires)."""
+        return [s for s in self.waiting + self.running if len(self.groups[s.request_id]) == 1]
+
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def detach(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from(self.waiting + self.running))
+        seq = data.draw(st.sampled_from(self._movable()))
         slot = self.q.detach(seq)
         if seq in self.waiting:
             assert slot == Slot("waiting", self.waiting.index(seq))

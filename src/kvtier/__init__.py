@@ -230,6 +230,21 @@ _LAZY = {
     "parse_hints": "kvtier.agents",
     "parse_workflow": "kvtier.agents",
     "sequential": "kvtier.agents",
+    "LearnedReusePolicy": "kvtier.policy.learned",
+    # The engine's configuration and its roles (kvtier.engine; docs/architecture.md).
+    "EngineConfig": "kvtier.engine.config",
+    "CacheConfig": "kvtier.engine.config",
+    "SchedulerConfig": "kvtier.engine.config",
+    "InputProcessor": "kvtier.engine.processor",
+    "Scheduler": "kvtier.engine.scheduler",
+    "SchedulerOutput": "kvtier.engine.scheduler",
+    "ModelRunner": "kvtier.engine.runner",
+    "RunnerOutput": "kvtier.engine.runner",
+    "KVConnector": "kvtier.engine.connector",
+    "RequestQueues": "kvtier.engine.queues",
 }
+
+# Every public name, the lazy ones included: `from kvtier import *` gets them all.
+__all__ += sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_exports("kvtier", globals(), _LAZY)

@@ -31,6 +31,13 @@ from kvtier.cli.args import (
     positive_int,
     thresholds,
 )
+from kvtier.cli.serve_auth import (
+    AUTH_EPILOG,
+    access_lines,
+    add_auth_flags,
+    server_auth,
+    tls_settings,
+)
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES
 from kvtier.policy import available_policies
@@ -49,9 +56,9 @@ DEFAULT_MAX_TOKENS = 512
 
 _EPILOG = """\
 The server speaks OpenAI's API: point any OpenAI client at http://HOST:PORT/v1
-(the API key is not checked). Besides /v1/chat/completions, /v1/completions and
-/v1/models it serves /health, /metrics (Prometheus) and /v1/cache/stats (JSON:
-prefix-cache hits, KV blocks, evictions).
+(with --api-key, clients send that key; see 'access' below). Besides
+/v1/chat/completions, /v1/completions and /v1/models it serves /health, /metrics
+(Prometheus) and /v1/cache/stats (JSON: prefix-cache hits, KV blocks, evictions).
 
 The KV cache holds --kv-cache-memory worth of blocks of --block-size tokens
 (or exactly --num-blocks); finished requests' blocks stay cached and later
@@ -360,10 +367,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prefetch-lookahead brings blocks back from tiers: add a --tier")
     limits = server_limits(args)
     images = image_limits(args)
+    auth, auth_warnings = server_auth(args)
+    tls = tls_settings(args)
     _check_device(args.device)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
     )
+    for warning in auth_warnings:
+        log.warning("%s", warning)
     sock = _bind(args.host, args.port)
     try:
         tokenizer, warnings = preflight(config)
@@ -389,15 +400,21 @@ def run(args: argparse.Namespace) -> int:
         worker = EngineWorker(engine, on_fatal=on_fatal).start()
         try:
             app = create_app(
-                worker, served_model_name=name, limits=limits, image_limits=images
+                worker, served_model_name=name, limits=limits, image_limits=images, auth=auth
             )
-            uv_config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+            uv_config = uvicorn.Config(
+                app, log_level=args.log_level, timeout_graceful_shutdown=5, **tls
+            )
             server = uvicorn.Server(uv_config)
             if failed or worker.fatal is not None:  # it died before the server existed
                 server.should_exit = True
             # Listen now, so a client told the address below is queued, never refused.
             sock.listen(uv_config.backlog)
             url = _client_url(args.host, sock.getsockname()[1])
+            if tls:
+                url = "https" + url.removeprefix("http")
+            for line in access_lines(auth, tls):
+                print(f"kvtier: {line}", flush=True)
             print(f"kvtier: {default_max_tokens_line(limits, engine.max_model_len)}", flush=True)
             print(
                 f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
@@ -439,7 +456,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         description="Serve a causal language model behind an OpenAI-compatible API "
         "(chat completions, completions, streaming), generating through kvtier's KV-cache "
         "manager with prefix caching. Default model: SmolLM2-135M-Instruct, bundled offline.",
-        epilog=_EPILOG,
+        epilog=_EPILOG + "\n" + AUTH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument(
@@ -568,6 +585,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     _add_tiers(serve)
     _add_pressure(serve)
     _add_images(serve)
+    add_auth_flags(serve)
     serve.add_argument(
         "--kv-events",
         metavar="ENDPOINT",

@@ -61,7 +61,7 @@ from kvtier.engine.connector import KVConnector
 from kvtier.engine.hf_cache import layout_for_model
 from kvtier.engine.paged import install
 from kvtier.engine.processor import InputProcessor, bare_chat_tokens
-from kvtier.engine.queues import RequestQueues
+from kvtier.engine.queues import RequestQueues, SchedulingPolicy
 from kvtier.engine.request import (
     EngineCounters,
     RequestMetrics,
@@ -112,6 +112,8 @@ class Engine:
     ``int8``/``fp8_e4m3`` with per-head scales (quantized as they are
     written, dequantized as attention reads them); the same
     ``kv_cache_bytes`` then holds proportionally more blocks.
+    ``scheduling_policy`` (:class:`~kvtier.engine.queues.SchedulingPolicy`)
+    orders the waiting line; first come, first served by default.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class Engine:
         kv_cache_dtype: str = "auto",
         image_processor: Any = None,
         encoder_cache: Any = None,
+        scheduling_policy: SchedulingPolicy | None = None,
     ) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
@@ -227,7 +230,7 @@ class Engine:
         #: Runs the forward passes and samples (:mod:`kvtier.engine.runner`).
         self.runner = ModelRunner(model, self.storage, self.vlm)
         #: Who waits, who runs, and the prefixes not computed yet (:mod:`kvtier.engine.queues`).
-        self.queues = RequestQueues()
+        self.queues = RequestQueues(scheduling_policy)
         self._ids = itertools.count()
         #: Workflows, hints on finish and prefetch (:mod:`kvtier.agents.attach`).
         self.agents = AgentSupport(self)

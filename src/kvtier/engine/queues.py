@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from kvtier.engine.request import Sequence as Seq
 
@@ -48,6 +48,30 @@ class Slot:
     #: Its place in the waiting queue (0 for a running sequence: running ones keep
     #: their admission order instead).
     index: int
+
+
+class SchedulingPolicy(Protocol):
+    """Where a new request joins the waiting line (a preempted one always goes first).
+
+    The scheduler admits from the head of the line; a policy decides the
+    order by placing each arrival. One class in one file is a new policy:
+    pass an instance as ``Engine(..., scheduling_policy=...)``.
+    """
+
+    name: str
+
+    def place(self, waiting: Sequence[Seq], seq: Seq) -> int:
+        """The index in ``waiting`` (0 = next to run) at which ``seq`` joins."""
+        ...
+
+
+class FirstComeFirstServed:
+    """Arrivals join the end of the line: vLLM's default."""
+
+    name = "fcfs"
+
+    def place(self, waiting: Sequence[Seq], seq: Seq) -> int:
+        return len(waiting)
 
 
 class UnreadyKeys:
@@ -87,7 +111,9 @@ class UnreadyKeys:
 class RequestQueues:
     """The waiting queue, the running set and the sequences of each request (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: SchedulingPolicy | None = None) -> None:
+        #: Where arrivals join the line.
+        self.policy: SchedulingPolicy = policy or FirstComeFirstServed()
         self._waiting: deque[Seq] = deque()
         #: Admitted sequences (computing, or loading their prefix), oldest first.
         self._running: list[Seq] = []
@@ -156,11 +182,16 @@ class RequestQueues:
 
     # -- arriving and leaving ------------------------------------------------------------
     def add(self, seq: Seq, *, front: bool = False) -> None:
-        """Queue a new request's sequence (last in line, or first with ``front``)."""
+        """Queue a new request's sequence where the policy places it (first with ``front``)."""
+        waiting = self._waiting
         if front:
-            self._waiting.appendleft(seq)
+            waiting.appendleft(seq)
         else:
-            self._waiting.append(seq)
+            at = self.policy.place(waiting, seq)
+            if at >= len(waiting):
+                waiting.append(seq)
+            else:
+                waiting.insert(max(at, 0), seq)
         self._groups[seq.request_id] = [seq]
 
     def add_running(self, seq: Seq) -> None:

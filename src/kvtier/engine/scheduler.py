@@ -32,6 +32,7 @@ import torch
 
 from kvtier.engine.connector import KVConnector
 from kvtier.engine.detok import IncrementalDetokenizer
+from kvtier.engine.processor import cache_salt_key
 from kvtier.engine.queues import RequestQueues
 from kvtier.engine.request import EngineCounters, RequestOutput
 from kvtier.engine.request import Sequence as Seq
@@ -269,7 +270,7 @@ class Scheduler:
         private = not self.prefix_caching
         extra: tuple[str, ...] = (f"private:{seq.seq_id}:{seq.admissions}",) if private else ()
         if seq.cache_salt is not None:
-            extra = (*extra, f"salt:{seq.cache_salt}")
+            extra = (*extra, cache_salt_key(seq.cache_salt))
         tiers = None if private else tiers
         kept = seq.match
         if kept is not None and kept.num_tokens == len(tokens) and kept.extra == extra:

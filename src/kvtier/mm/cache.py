@@ -306,10 +306,14 @@ class EncoderCache:
         *,
         pin: bool = True,
         expected: Expected | None = None,
+        key: int | None = None,
     ) -> Lease:
-        """Like :meth:`get_or_encode`, returning a :class:`Lease` that pins the entry."""
+        """Like :meth:`get_or_encode`, returning a :class:`Lease` that pins the entry.
+
+        ``key`` replaces :meth:`key` (an item keyed under a request's own salt).
+        """
         spec = encoder.spec
-        key = self.key(item, spec)
+        key = self.key(item, spec) if key is None else key
         lease, flight, leader = self._begin(key, spec, pin)
         if lease is not None:
             return lease

@@ -226,6 +226,16 @@ class ItemKeyer:
         self.algorithm = algorithm
         self._new = _hasher_factory(algorithm, secret)
 
+    def salted(self, salt: str) -> ItemKeyer:
+        """This keyer with ``salt`` appended to its tenant salt (same algorithm and secret)."""
+        if not isinstance(salt, str):
+            raise ConfigError(f"a tenant salt must be a string, got {salt!r}")
+        out = ItemKeyer.__new__(ItemKeyer)
+        out.tenant_salt = f"{self.tenant_salt}\x1f{salt}"
+        out.algorithm = self.algorithm
+        out._new = self._new
+        return out
+
     def _finish(self, head: bytearray, data: bytes | bytearray | memoryview = b"") -> int:
         h = self._new()
         h.update(head)

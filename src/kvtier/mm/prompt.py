@@ -103,7 +103,9 @@ class MultimodalPrompt:
         p = self.placeholders[i]
         rows = len(p.positions)
         if self.cache is not None:
-            lease = self.cache.acquire(p.item, self.model, expected=self.model.expected(rows))
+            lease = self.cache.acquire(
+                p.item, self.model, expected=self.model.expected(rows), key=p.key
+            )
             self._leases[i] = lease
             feats, self.sources[i] = lease.tensor, lease.source
         else:

@@ -17,7 +17,11 @@
   when its client goes away after a move).
 
 They are left out of the OpenAPI schema: they serve operators and other
-kvtier servers, not OpenAI clients.
+kvtier servers, not OpenAI clients. They are off (404) unless the server has
+an admin key (``kvtier serve --admin-key``), and then need it
+(:class:`~kvtier.server.auth.AuthGuard`); servers that move requests to each
+other share it. A move goes only to a server in the ``--migrate-peer``
+allow-list: any other target is refused with 403 before any connection.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kvtier.engine.request import RequestMetrics, RequestOutput
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.engine.worker import EngineWorker
 from kvtier.errors import KvTierError, MigrationError
+from kvtier.server.auth import ServerAuth
 from kvtier.server.streaming import json_bytes
 
 log = logging.getLogger("kvtier.server.admin")
@@ -118,6 +123,7 @@ class _Relay(threading.Thread):
         response: Any,
         metrics: RequestMetrics,
         cancel_url: str,
+        key: str | None = None,
     ) -> None:
         super().__init__(name=f"kvtier-relay-{request_id}", daemon=True)
         self.worker = worker
@@ -125,6 +131,7 @@ class _Relay(threading.Thread):
         self.response = response
         self.metrics = metrics
         self.cancel_url = cancel_url
+        self.key = key
 
     def run(self) -> None:
         rid = self.request_id
@@ -155,22 +162,27 @@ class _Relay(threading.Thread):
 
         def post() -> None:
             try:
-                _post(self.cancel_url, {}, MIGRATE_TIMEOUT_S).close()
+                _post(self.cancel_url, {}, MIGRATE_TIMEOUT_S, self.key).close()
             except OSError as exc:
                 log.warning("cancelling moved request %s failed: %s", self.request_id, exc)
 
         threading.Thread(target=post, daemon=True).start()
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
-    req = urllib.request.Request(
-        url, data=json_bytes(body), headers={"Content-Type": "application/json"}, method="POST"
-    )
+def _headers(key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def _post(url: str, body: dict[str, Any], timeout: float, key: str | None = None) -> Any:
+    req = urllib.request.Request(url, data=json_bytes(body), headers=_headers(key), method="POST")
     return urllib.request.urlopen(req, timeout=timeout)
 
 
 def _open_stream(
-    url: str, body: dict[str, Any], timeout: float
+    url: str, body: dict[str, Any], timeout: float, key: str | None = None
 ) -> tuple[http.client.HTTPResponse, dict[str, Any]]:
     """POST ``body``; the streaming response (its socket then waits longer) and its first line."""
     parts = urllib.parse.urlsplit(url)
@@ -181,9 +193,7 @@ def _open_stream(
     )
     conn = conn_type(parts.hostname, parts.port, timeout=timeout)
     try:
-        conn.request(
-            "POST", parts.path, body=json_bytes(body), headers={"Content-Type": "application/json"}
-        )
+        conn.request("POST", parts.path, body=json_bytes(body), headers=_headers(key))
         response = conn.getresponse()
         if response.status != 200:
             raise MigrationError(f"the target refused the request: {_error_text(response)}")
@@ -200,9 +210,16 @@ def _open_stream(
 
 
 def migrate_to(
-    worker: EngineWorker, request_id: str, target: str, *, timeout: float = MIGRATE_TIMEOUT_S
+    worker: EngineWorker,
+    request_id: str,
+    target: str,
+    *,
+    timeout: float = MIGRATE_TIMEOUT_S,
+    key: str | None = None,
 ) -> dict[str, Any]:
     """Move ``request_id`` to the kvtier server at ``target``; see the module docstring.
+
+    ``key`` is the admin key sent to the target (servers that move requests share it).
 
     Raises :class:`MigrationError` (the request keeps running here) when the
     target refuses or cannot be reached.
@@ -210,7 +227,9 @@ def migrate_to(
     base = target.rstrip("/")
     dep: Departure = worker.call(lambda e: detach(e, request_id, via="tier"), timeout)
     try:
-        response, first = _open_stream(f"{base}/admin/migrate/accept", dep.state(), timeout)
+        response, first = _open_stream(
+            f"{base}/admin/migrate/accept", dep.state(), timeout, key
+        )
     except BaseException as exc:
         worker.call(lambda e: restore(e, dep), timeout)
         if isinstance(exc, MigrationError):
@@ -218,7 +237,12 @@ def migrate_to(
         raise MigrationError(f"cannot reach the target {base}: {exc}") from exc
     remote = str(first["request_id"])
     relay = _Relay(
-        worker, request_id, response, dep.seq.metrics, f"{base}/admin/requests/{remote}/cancel"
+        worker,
+        request_id,
+        response,
+        dep.seq.metrics,
+        f"{base}/admin/requests/{remote}/cancel",
+        key,
     )
     worker.forward(request_id, relay.cancel)
     worker.call(lambda e: release(e, dep), timeout)
@@ -237,15 +261,26 @@ def _error_text(response: Any) -> str:
         return f"HTTP {response.status}"
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
+def _error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": None, "code": None}},
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
         status_code=status,
     )
 
 
-def register_admin(app: FastAPI, worker: EngineWorker) -> None:
-    """Add the admin endpoints (see the module docstring) to ``app``."""
+def register_admin(app: FastAPI, worker: EngineWorker, auth: ServerAuth | None = None) -> None:
+    """Add the admin endpoints (see the module docstring) to ``app``.
+
+    ``auth`` gives the admin key (sent to migration targets) and the allowed
+    migration peers; :class:`~kvtier.server.auth.AuthGuard` checks callers.
+    """
+    auth = auth or ServerAuth()
 
     @app.get("/admin/requests", include_in_schema=False)
     async def requests() -> JSONResponse:
@@ -261,8 +296,20 @@ def register_admin(app: FastAPI, worker: EngineWorker) -> None:
         rid, target = body.get("request_id"), body.get("target")
         if not isinstance(rid, str) or not isinstance(target, str) or not target.strip():
             return _error(400, 'give {"request_id": "...", "target": "http://host:port"}')
+        if not auth.peer_allowed(target):
+            peers = ", ".join(auth.migrate_peers) or "none (kvtier serve --migrate-peer URL)"
+            return _error(
+                403,
+                f"the target {target.strip()[:200]!r} is not an allowed migration peer; "
+                f"allowed: {peers}",
+                "permission_error",
+                "migration_peer_not_allowed",
+                "target",
+            )
         try:
-            done = await asyncio.to_thread(migrate_to, worker, rid, target)
+            done = await asyncio.to_thread(
+                lambda: migrate_to(worker, rid, target, key=auth.admin_key)
+            )
         except MigrationError as exc:
             unreachable = "cannot reach" in str(exc)
             return _error(502 if unreachable else 409, str(exc), "migration_error")

@@ -51,15 +51,16 @@ if TYPE_CHECKING:
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.mm.images import ImageLimits, check_count, load_image
-from kvtier.obs.metrics import render_prometheus
+from kvtier.server.auth import AuthGuard, ServerAuth
 from kvtier.server.limits import BodyGuard, ServerLimits
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.metrics import (
-    PROMETHEUS_CONTENT_TYPE,
     EngineSnapshot,
-    metric_families,
+    exposition,
+    metrics_registry,
     snapshot_engine,
     stats_dict,
+    worker_reader,
 )
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvtier.server.streaming import (
@@ -71,6 +72,7 @@ from kvtier.server.streaming import (
     json_bytes,
     usage_body,
 )
+from kvtier.server.tenants import encode_images_for, for_tenant
 
 log = logging.getLogger("kvtier.server")
 
@@ -171,12 +173,14 @@ def create_app(
     served_model_name: str,
     limits: ServerLimits | None = None,
     image_limits: ImageLimits | None = None,
+    auth: ServerAuth | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``worker``'s engine as ``served_model_name``.
 
     The caller owns the worker: start it before serving and stop it after.
     ``image_limits`` bound the images a chat request may send to a
-    vision-language model.
+    vision-language model. ``auth`` (:mod:`kvtier.server.auth`) names the API keys, their
+    tenants and the admin key; without it the API is open and ``/admin/...`` is off.
     """
     engine = worker.engine
     limits = limits or ServerLimits()
@@ -191,6 +195,9 @@ def create_app(
         default_response_class=SafeJSONResponse,
     )
     app.add_middleware(BodyGuard, limits=limits)
+    auth = auth or ServerAuth()
+    app.add_middleware(AuthGuard, auth=auth)  # outermost: refuses before a body is read
+    app.state.auth = auth
     app.state.worker = worker
     app.state.served_model_name = served_model_name
     app.state.limits = limits
@@ -281,11 +288,17 @@ def create_app(
         prompt_param: str,
         mm: Any = None,
         hints: Hints | None = None,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         admit()
         try:
             return worker.submit(
-                ids, params, loop=asyncio.get_running_loop(), mm=mm, hints=hints
+                ids,
+                params,
+                loop=asyncio.get_running_loop(),
+                mm=mm,
+                hints=hints,
+                cache_salt=cache_salt,
             )
         except BadRequestError as exc:
             param = exc.param
@@ -400,10 +413,12 @@ def create_app(
         requested = body.requested_max_tokens()
         # Parameters are checked before the prompt is tokenized: a bad one costs nothing.
         params = body.sampling_params(requested or 1, engine.sampling_defaults)
-        hints = body.agent_hints()
+        salt, hints = for_tenant(request.scope, body.cache_salt, body.agent_hints())
         admit()
         if urls:
-            ids, mm = await asyncio.to_thread(_encode_with_images, engine, messages, urls, images)
+            ids, mm = await asyncio.to_thread(
+                _encode_with_images, engine, messages, urls, images, salt
+            )
         else:
             ids = await asyncio.to_thread(engine.encode_chat, messages)
         if requested is None:  # up to the context, capped by --default-max-tokens
@@ -411,7 +426,9 @@ def create_app(
                 params,
                 max_tokens=limits.default_completion_tokens(engine.max_model_len - len(ids)),
             )
-        handle = await submit(ids, params, prompt_param="messages", mm=mm, hints=hints)
+        handle = await submit(
+            ids, params, prompt_param="messages", mm=mm, hints=hints, cache_salt=salt
+        )
 
         def choice(text: str, lps: list[Any]) -> dict[str, Any]:
             return {
@@ -442,14 +459,16 @@ def create_app(
             # OpenAI's default of 16, or --default-max-tokens when that is fewer.
             max_tokens = min(max_tokens, limits.default_max_tokens or max_tokens)
         params = body.sampling_params(max_tokens, engine.sampling_defaults)
-        hints = body.agent_hints()
+        salt, hints = for_tenant(request.scope, body.cache_salt, body.agent_hints())
         if isinstance(prompt, str):
             check_chars(len(prompt), "prompt")
             admit()
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         else:
             ids = prompt
-        handle = await submit(ids, params, prompt_param="prompt", hints=hints)
+        handle = await submit(
+            ids, params, prompt_param="prompt", hints=hints, cache_salt=salt
+        )
 
         def choice(text: str, lps: list[Any]) -> dict[str, Any]:
             lp = completion_logprobs(tokens, lps) if params.logprobs is not None else None
@@ -488,10 +507,20 @@ def create_app(
         reason = "stopped" if worker.fatal is None else f"failed: {worker.fatal!r}"
         return SafeJSONResponse({"status": "unavailable", "engine": reason}, status_code=503)
 
+    # A registry per app (not prometheus_client's global one); its collector
+    # reads the engine on the worker's thread at each scrape.
+    registry = metrics_registry(worker_reader(worker, SNAPSHOT_TIMEOUT_S))
+    app.state.metrics_registry = registry
+
     @app.get("/metrics", response_model=None)
-    async def metrics() -> Response:
-        text = render_prometheus(metric_families(await snapshot()))
-        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        try:
+            body, content_type = await asyncio.to_thread(
+                exposition, registry, request.headers.get("accept")
+            )
+        except KvTierError as exc:
+            raise APIError(503, f"the engine did not answer: {exc}", type="server_error") from None
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
@@ -543,7 +572,7 @@ def create_app(
 
     from kvtier.server.admin import register_admin
 
-    register_admin(app, worker)
+    register_admin(app, worker, auth)
     from kvtier.server.workflows import register_workflows
 
     register_workflows(app, worker)
@@ -567,10 +596,12 @@ def _encode_with_images(
     messages: list[dict[str, Any]],
     urls: list[tuple[str, str]],
     limits: ImageLimits,
+    salt: str | None = None,
 ) -> tuple[list[int], Any]:
-    """Load the request's images (refusing bad ones with a 400) and tokenize around them."""
+    """Load the request's images (refusing bad ones with a 400) and tokenize around them;
+    their encoder-cache keys carry the request's cache ``salt``."""
     items = [load_image(url, limits, param=param) for url, param in urls]
-    return engine.encode_multimodal_chat(messages, items)
+    return encode_images_for(engine, messages, items, salt)
 
 
 def _version() -> str:

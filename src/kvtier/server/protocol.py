@@ -177,6 +177,9 @@ class _Sampling(_Body):
     frequency_penalty: Penalty | None = None
     logit_bias: dict[Text, Bias] | None = None
     user: Text | None = None
+    #: vLLM's extension: prefix caching is shared only among requests with the same salt
+    #: (and the same tenant: :mod:`kvtier.server.tenants`).
+    cache_salt: Text | None = None
     #: kvtier's extension: agent hints (clients send it with ``extra_body``).
     kvtier: dict[str, Any] | None = None
 

@@ -15,11 +15,17 @@
 
 Bad bodies are 400 with OpenAI's error body; an unknown workflow is 404.
 Everything runs on the engine thread (:meth:`EngineWorker.call`), between steps.
+
+Workflows belong to the tenant of the API key that registered them
+(:mod:`kvtier.server.tenants`): another tenant's requests and calls see an
+unknown workflow (404) even under the same ``workflow_id``, and a tenant's
+agent prefixes are keyed under its cache salt, as its requests' blocks are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -27,20 +33,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvtier.agents.graph import WorkflowState, parse_workflow
+from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState, parse_workflow
 from kvtier.engine.engine import Engine
+from kvtier.engine.processor import cache_salt_key
 from kvtier.engine.worker import EngineWorker
 from kvtier.errors import BadRequestError
+from kvtier.server.auth import tenant_of
 from kvtier.server.protocol import error_body
+from kvtier.server.tenants import effective_salt, scoped_id, shown_id
 
 _EVENTS = ("step", "start", "complete")
 
 
-def _state_body(state: WorkflowState) -> dict[str, Any]:
+def _state_body(state: WorkflowState, tenant: str | None = None) -> dict[str, Any]:
     dist = state.distances()
     return {
         "object": "workflow",
-        "workflow_id": state.spec.workflow_id,
+        "workflow_id": shown_id(tenant, state.spec.workflow_id),
         "agents": [
             {
                 "agent_id": a.agent_id,
@@ -92,6 +101,23 @@ def _prefix_messages(engine: Engine, body: dict[str, Any]) -> None:
         a["prefix_tokens"] = list(engine.agents.prefix_from_messages(msgs))
 
 
+def _for_tenant(engine: Engine, spec: WorkflowSpec, tenant: str) -> WorkflowSpec:
+    """``spec`` in ``tenant``'s namespace, its agents' prefixes keyed under the tenant's salt."""
+    salt = effective_salt(tenant, None)
+    assert salt is not None  # a tenant always makes a salt
+    extra = (cache_salt_key(salt),)
+    hasher = engine.manager.hasher
+    agents: list[AgentSpec] = []
+    for a in spec.agents:
+        tokens = a.prefix_tokens
+        if a.prefix is not None and not tokens:
+            tokens = tuple(engine.encode_prompt(a.prefix))
+        keys = a.prefix_keys or tuple(hasher.chain(list(tokens), extra=extra))
+        agents.append(dataclasses.replace(a, prefix_tokens=tuple(tokens), prefix_keys=keys))
+    wid = scoped_id(tenant, spec.workflow_id)
+    return WorkflowSpec(wid, tuple(agents))
+
+
 def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
     """Add the ``/v1/workflows`` endpoints to ``app``."""
 
@@ -108,20 +134,28 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
     @app.post("/v1/workflows", response_model=None)
     async def create(request: Request) -> JSONResponse:
         body = await body_of(request)
+        tenant = tenant_of(request.scope)
 
         def run(engine: Engine) -> dict[str, Any]:
             if isinstance(body, dict):
                 _prefix_messages(engine, body)
             spec = parse_workflow(body)
-            return _state_body(engine.agents.register(spec))
+            if tenant is not None:
+                spec = _for_tenant(engine, spec, tenant)
+            else:
+                scoped_id(None, spec.workflow_id)  # refuses an id in a tenant's namespace
+            return _state_body(engine.agents.register(spec), tenant)
 
         return JSONResponse(await on_engine(run))
 
     @app.get("/v1/workflows/{workflow_id}", response_model=None)
-    async def show(workflow_id: str) -> JSONResponse:
+    async def show(workflow_id: str, request: Request) -> JSONResponse:
+        tenant = tenant_of(request.scope)
+        wid = scoped_id(tenant, workflow_id)
+
         def run(engine: Engine) -> dict[str, Any] | None:
-            state = engine.agents.tracker.get(workflow_id)
-            return None if state is None else _state_body(state)
+            state = engine.agents.tracker.get(wid)
+            return None if state is None else _state_body(state, tenant)
 
         out = await on_engine(run)
         return _not_found(workflow_id) if out is None else JSONResponse(out)
@@ -144,25 +178,29 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise BadRequestError("step must be a non-negative integer", param="step")
 
+        tenant = tenant_of(request.scope)
+        wid = scoped_id(tenant, workflow_id)
+
         def run(engine: Engine) -> dict[str, Any] | None:
             tracker = engine.agents.tracker
-            state = tracker.get(workflow_id)
+            state = tracker.get(wid)
             if state is None:
                 return None
             if event == "start":
-                tracker.start(workflow_id, agent)
+                tracker.start(wid, agent)
             elif event == "complete":
-                tracker.complete(workflow_id, agent)
+                tracker.complete(wid, agent)
             else:
-                tracker.advance(workflow_id, agent, step)
-            return _state_body(state)
+                tracker.advance(wid, agent, step)
+            return _state_body(state, tenant)
 
         out = await on_engine(run)
         return _not_found(workflow_id) if out is None else JSONResponse(out)
 
     @app.delete("/v1/workflows/{workflow_id}", response_model=None)
-    async def delete(workflow_id: str) -> JSONResponse:
-        gone = await on_engine(lambda engine: engine.agents.tracker.remove(workflow_id))
+    async def delete(workflow_id: str, request: Request) -> JSONResponse:
+        wid = scoped_id(tenant_of(request.scope), workflow_id)
+        gone = await on_engine(lambda engine: engine.agents.tracker.remove(wid))
         if not gone:
             return _not_found(workflow_id)
         return JSONResponse({"object": "workflow.deleted", "workflow_id": workflow_id})
