@@ -6,7 +6,9 @@ so the child imports kvtier exactly as the tests do.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 _LAUNCH = (
@@ -18,3 +20,17 @@ _LAUNCH = (
 def kvtier_cli(*args: str) -> list[str]:
     """The command line running ``kvtier ARGS`` in a subprocess."""
     return [sys.executable, "-c", _LAUNCH, str(Path(__file__).parent), *args]
+
+
+def read_banner(proc: subprocess.Popen[str], timeout: float = 120) -> list[str]:
+    """The lines a started ``kvtier serve`` prints up to and including ``kvtier: serving ...``."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"the server exited early: {''.join(lines)}"
+        lines.append(line)
+        if line.startswith("kvtier: serving"):
+            return lines
+    raise AssertionError(f"no 'kvtier: serving' line within {timeout:g}s: {''.join(lines)}")

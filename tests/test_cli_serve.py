@@ -8,13 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_launch import kvtier_cli
+from cli_launch import kvtier_cli, read_banner
 
 from kvtier.cli import main, parse_memory_size
 from kvtier.errors import ConfigError
@@ -211,15 +210,7 @@ def test_serve_runs_a_server_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"the server exited early: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("kvtier: serving"):
-                break
+        lines = read_banner(proc)
         # Checked before the model loads: the cache's size for this model.
         assert "64 KV blocks of 16 tokens" in lines[0] and "context 512 tokens" in lines[0]
         assert lines[1].startswith("kvtier: loading " + str(tmp_path))

@@ -12,13 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_launch import kvtier_cli
+from cli_launch import kvtier_cli, read_banner
 from serving import serving
 from tiny_vlm import png_bytes, tiny_llava
 
@@ -149,15 +148,7 @@ def test_kvtier_serve_runs_a_saved_vision_language_model(tmp_path: Path) -> None
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"the server exited early: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("kvtier: serving"):
-                break
+        lines = read_banner(proc)
         text = "".join(lines)
         assert "llava-style vision-language model" in text and "encoder cache: 1 MiB" in text
         url = lines[-1].split(" at ", 1)[1].split(" ", 1)[0]

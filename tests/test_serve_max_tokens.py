@@ -29,7 +29,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from cli_launch import kvtier_cli  # noqa: E402
+from cli_launch import kvtier_cli, read_banner  # noqa: E402
 from serving import MODEL, Server, serving  # noqa: E402
 from tiny_model import tiny_engine  # noqa: E402
 
@@ -329,15 +329,7 @@ def cli_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"the server exited early: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("kvtier: serving"):
-                break
+        lines = read_banner(proc)
         assert lines[-2] == (
             f"kvtier: requests without max_tokens: at most {DEFAULT} tokens "
             "(--default-max-tokens)\n"

@@ -520,9 +520,8 @@ def test_bad_access_flags_fail_before_the_model_loads(
 def test_kvtier_serve_with_keys_and_tls(tmp_path: Path, certificate: tuple[Path, Path]) -> None:
     import os
     import signal
-    import time
 
-    from cli_launch import kvtier_cli
+    from cli_launch import kvtier_cli, read_banner
     from tiny_model import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer()
@@ -542,15 +541,7 @@ def test_kvtier_serve_with_keys_and_tls(tmp_path: Path, certificate: tuple[Path,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "KVTIER_API_KEY": SHARED},
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"the server exited early: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("kvtier: serving"):
-                break
+        lines = read_banner(proc)
         banner = "".join(lines)
         assert "API keys: 3 configured; tenants: alpha, beta" in banner
         assert "admin endpoints (/admin/...): on" in banner and "TLS: on" in banner
