@@ -18,7 +18,7 @@ BS = 4
 
 
 def _serve(m: KVCacheManager, rid: str, keys: list[int]) -> None:
-    """A request of ``len(keys)`` full blocks and a partial one, freed at once (as a replay does)."""
+    """A request of ``len(keys)`` full blocks and a partial one, freed at once, as a replay does."""
     n = len(keys) * BS + 1
     try:
         m.allocate(rid, range(n), block_keys=keys)
