@@ -114,3 +114,15 @@ def pytest_make_collect_report(
     report = yield
     _refuse_skip(report)
     return report
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama and its tokenizer saved as a model directory (``--model DIR``)."""
+    from tiny_model import tiny_model_and_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    model, tok = tiny_model_and_tokenizer()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

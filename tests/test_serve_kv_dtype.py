@@ -13,17 +13,6 @@ from kvtier.cli import build_parser, main
 from kvtier.cli.serve import engine_config, preflight
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_model import tiny_model_and_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    model, tok = tiny_model_and_tokenizer()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def config_of(*args: str) -> object:
     parser, _ = build_parser()
     return engine_config(parser.parse_args(["serve", *args]))

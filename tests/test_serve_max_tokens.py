@@ -193,17 +193,6 @@ def test_the_banner_line_says_what_a_request_without_max_tokens_gets() -> None:
 # -- kvtier serve ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_model import tiny_model_and_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    model, tok = tiny_model_and_tokenizer()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize(
     "how", [["--default-max-tokens", "-1"], ["--default-max-tokens=-3"], ["config"]]
 )

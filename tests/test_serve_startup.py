@@ -28,17 +28,6 @@ from kvtier.cli import main
 TESTS = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_model import tiny_model_and_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-model")
-    model, tok = tiny_model_and_tokenizer()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -96,6 +96,11 @@ def check_item_keys(items: Sequence[ItemKey]) -> tuple[ItemKey, ...]:
     return tuple(out)
 
 
+def cache_salt_key(salt: str) -> str:
+    """The extra key a request's ``cache_salt`` mixes into every one of its block keys."""
+    return f"salt:{salt}"
+
+
 def item_block_extra(
     items: Sequence[ItemKey], first_block: int, num_blocks: int, block_size: int
 ) -> list[tuple[ExtraKey, ...]] | None:

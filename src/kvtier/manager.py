@@ -289,6 +289,15 @@ class KVCacheManager:
         """Blocks in the device pool."""
         return self.pool.num_blocks
 
+    @property
+    def namespace_root(self) -> int:
+        """The root every block key chains from (model, KV layout, tenant)."""
+        return self.hasher.root
+
+    def keys_for(self, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = ()) -> list[int]:
+        """The keys this manager gives the full blocks of ``token_ids`` (nothing is looked up)."""
+        return self.hasher.chain(token_ids, extra=tuple(extra_keys))
+
     def request_ids(self) -> Iterator[RequestId]:
         return iter(list(self._requests))
 

@@ -147,7 +147,7 @@ class MultiDeviceManager:
         first = pools[0].manager
         for i, p in enumerate(pools):
             m = p.manager
-            if m.block_size != first.block_size or m.hasher.root != first.hasher.root:
+            if m.block_size != first.block_size or m.namespace_root != first.namespace_root:
                 raise ConfigError(
                     f"device {i} keys blocks differently (block size {m.block_size}, "
                     "namespace): every device needs the same block size, model and layout"

@@ -22,6 +22,7 @@ from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import BadRequestError, ConfigError
 from kvtier.hints import Hints
+from kvtier.keys import cache_salt_key
 
 #: Agents whose last prompt is remembered for prefetch, at most.
 MAX_REMEMBERED = 10_000
@@ -42,17 +43,21 @@ class AgentSupport:
         self._last: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
     # -- workflows ------------------------------------------------------------------
-    def register(self, spec: WorkflowSpec) -> WorkflowState:
-        """Register ``spec``; agents' ``prefix`` text and tokens become block keys here."""
+    def register(self, spec: WorkflowSpec, *, cache_salt: str | None = None) -> WorkflowState:
+        """Register ``spec``; agents' ``prefix`` text and tokens become block keys here.
+
+        ``cache_salt`` keys the prefixes as a request with that salt keys its blocks.
+        """
         agents = []
-        hasher = self.engine.manager.hasher
+        manager = self.engine.manager
+        extra = () if cache_salt is None else (cache_salt_key(cache_salt),)
         for a in spec.agents:
             tokens = a.prefix_tokens
             if a.prefix is not None and not tokens:
                 tokens = tuple(self.engine.encode_prompt(a.prefix))
             keys = a.prefix_keys
             if tokens and not keys:
-                keys = tuple(hasher.chain(list(tokens)))
+                keys = tuple(manager.keys_for(list(tokens), extra))
             agents.append(replace(a, prefix_tokens=tuple(tokens), prefix_keys=tuple(keys)))
         return self.tracker.register(WorkflowSpec(spec.workflow_id, tuple(agents)))
 

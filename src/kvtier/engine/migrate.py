@@ -131,7 +131,7 @@ def _params_json(p: SamplingParams) -> dict[str, Any]:
 
 
 def _identity(engine: Engine) -> tuple[int, int, str]:
-    return engine.manager.hasher.root, engine.manager.block_size, engine.layout.canonical()
+    return engine.manager.namespace_root, engine.manager.block_size, engine.layout.canonical()
 
 
 def _check_fits(engine: Engine, root: int, block_size: int, layout: str) -> None:

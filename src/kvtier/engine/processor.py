@@ -56,11 +56,6 @@ def bare_chat_tokens(tokenizer: Any) -> int | None:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def cache_salt_key(salt: str) -> str:
-    """The extra key a request's ``cache_salt`` puts into every one of its block keys."""
-    return f"salt:{salt}"
-
-
 class InputProcessor:
     """Tokenizes, validates and builds requests for one engine (see the module docstring)."""
 

@@ -32,13 +32,13 @@ import torch
 
 from kvtier.engine.connector import KVConnector
 from kvtier.engine.detok import IncrementalDetokenizer
-from kvtier.engine.processor import cache_salt_key
 from kvtier.engine.queues import RequestQueues
 from kvtier.engine.request import EngineCounters, RequestOutput
 from kvtier.engine.request import Sequence as Seq
 from kvtier.engine.runner import RunnerOutput
 from kvtier.engine.sampling import Sampler, TokenLogprob
 from kvtier.errors import AdmissionRejectedError, OutOfBlocksError
+from kvtier.keys import cache_salt_key
 from kvtier.manager import KVCacheManager, PrefixMatch
 from kvtier.offload.chain import TierChain
 from kvtier.pressure.controller import PressureController

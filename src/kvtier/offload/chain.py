@@ -252,7 +252,7 @@ class TierChain:
         self.tiers = list(tiers)
         self.transfer = transfer or TransferEngine(max(2, len(self.tiers)))
         self._own_transfer = transfer is None
-        ns = namespace or f"{device_manager.hasher.root:032x}"[:16]
+        ns = namespace or f"{device_manager.namespace_root:032x}"[:16]
         self.namespace = ns
         self._pending: dict[int, tuple[int, list[int], int]] = {}  # job -> (tier, keys, bytes)
         # Serializes the chain's bookkeeping between the engine thread and
@@ -858,7 +858,8 @@ class TierChain:
             tail_key: int | None = None
             rest = num_computed_tokens - n_full * bs
             if rest > 0 and n_full < len(blocks):
-                tail_key = _tail_key(mgr.hasher.root, request_id, token_ids[:num_computed_tokens])
+                computed = token_ids[:num_computed_tokens]
+                tail_key = _tail_key(mgr.namespace_root, request_id, computed)
                 self._store_blocks(tier, [tail_key], [blocks[n_full]], cascade=True)
             return SwappedRequest(
                 request_id,

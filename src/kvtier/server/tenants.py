@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.engine.processor import MAX_CACHE_SALT_CHARS
+from kvtier.engine.processor import MAX_CACHE_SALT_CHARS, check_cache_salt
 from kvtier.errors import BadRequestError
 from kvtier.hints import Hints
 from kvtier.server.auth import tenant_of
@@ -47,13 +47,12 @@ MAX_SALT_CHARS = MAX_CACHE_SALT_CHARS
 
 def check_request_salt(salt: object) -> str | None:
     """A request's ``cache_salt``, validated (400 naming ``cache_salt`` otherwise)."""
+    check_cache_salt(salt)
     if salt is None:
         return None
-    if not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS:
-        raise BadRequestError(
-            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
-            param="cache_salt",
-        )
+    assert isinstance(salt, str)
+    # Over HTTP control characters are refused too: SEPARATOR is one, so no
+    # request can name another tenant's namespace.
     if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in salt):
         raise BadRequestError("cache_salt must not hold control characters", param="cache_salt")
     return salt

@@ -33,9 +33,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState, parse_workflow
+from kvtier.agents.graph import WorkflowState, parse_workflow
 from kvtier.engine.engine import Engine
-from kvtier.engine.processor import cache_salt_key
 from kvtier.engine.worker import EngineWorker
 from kvtier.errors import BadRequestError
 from kvtier.server.auth import tenant_of
@@ -101,23 +100,6 @@ def _prefix_messages(engine: Engine, body: dict[str, Any]) -> None:
         a["prefix_tokens"] = list(engine.agents.prefix_from_messages(msgs))
 
 
-def _for_tenant(engine: Engine, spec: WorkflowSpec, tenant: str) -> WorkflowSpec:
-    """``spec`` in ``tenant``'s namespace, its agents' prefixes keyed under the tenant's salt."""
-    salt = effective_salt(tenant, None)
-    assert salt is not None  # a tenant always makes a salt
-    extra = (cache_salt_key(salt),)
-    hasher = engine.manager.hasher
-    agents: list[AgentSpec] = []
-    for a in spec.agents:
-        tokens = a.prefix_tokens
-        if a.prefix is not None and not tokens:
-            tokens = tuple(engine.encode_prompt(a.prefix))
-        keys = a.prefix_keys or tuple(hasher.chain(list(tokens), extra=extra))
-        agents.append(dataclasses.replace(a, prefix_tokens=tuple(tokens), prefix_keys=keys))
-    wid = scoped_id(tenant, spec.workflow_id)
-    return WorkflowSpec(wid, tuple(agents))
-
-
 def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
     """Add the ``/v1/workflows`` endpoints to ``app``."""
 
@@ -140,11 +122,11 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
             if isinstance(body, dict):
                 _prefix_messages(engine, body)
             spec = parse_workflow(body)
-            if tenant is not None:
-                spec = _for_tenant(engine, spec, tenant)
-            else:
-                scoped_id(None, spec.workflow_id)  # refuses an id in a tenant's namespace
-            return _state_body(engine.agents.register(spec), tenant)
+            # In a tenant's namespace: its id scoped, its prefixes keyed under the tenant's salt
+            # (without a tenant, scoped_id refuses an id that names a tenant's namespace).
+            spec = dataclasses.replace(spec, workflow_id=scoped_id(tenant, spec.workflow_id))
+            salt = None if tenant is None else effective_salt(tenant, None)
+            return _state_body(engine.agents.register(spec, cache_salt=salt), tenant)
 
         return JSONResponse(await on_engine(run))
 
