@@ -49,7 +49,7 @@ def test_device_tier_urls() -> None:
     with pytest.raises(ConfigError, match="once"):
         TierSpec.from_url("device:1MiB?size=2MiB")
     tier = spec.build((2, 2, BS, 2, 8), torch.float32, device="cpu")
-    assert isinstance(tier.store, DeviceStore) and tier.codec.name == "int8"
+    assert isinstance(tier.medium, DeviceStore) and tier.codec.name == "int8"
     # 2 MiB of int8 blocks of (2, 2, 4, 2, 8): 256 bytes and 32 of scales, plus a header each.
     assert tier.capacity == 2 * 2**20 // (256 + 32 + HEADER_SIZE)
     with pytest.raises(ConfigError, match="invalid device"):

@@ -146,7 +146,7 @@ def test_damaged_disk_block_is_a_counted_miss(tmp_path: Path, damage: str) -> No
     toks = prompt(500, 4)
     data = _store_prompt(storage, mgr, chain, toks)
     keys = mgr.hasher.chain(toks)
-    victim = chain.tiers[0].store.path(keys[2])  # type: ignore[attr-defined]
+    victim = chain.tiers[0].medium.path(keys[2])  # type: ignore[attr-defined]
     raw = bytearray(victim.read_bytes())
     if damage == "truncate":
         victim.write_bytes(raw[: len(raw) // 2])
@@ -199,7 +199,7 @@ def test_restart_with_more_files_than_capacity_adopts_the_newest(tmp_path: Path)
     _store_prompt(storage, mgr, chain, old)
     data_new = _store_prompt(storage, mgr, chain, new)
     chain.close()
-    disk: DiskStore = chain.tiers[0].store  # type: ignore[assignment]
+    disk: DiskStore = chain.tiers[0].medium  # type: ignore[assignment]
     # Ten files on disk; make the age order certain (same-flush writes can share an mtime).
     for age, toks in ((1000, old), (2000, new)):
         for key in mgr.hasher.chain(toks):

@@ -16,6 +16,7 @@ The manager is not thread-safe: one scheduler thread drives it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -57,6 +58,7 @@ class PressureGate(Protocol):
     def actions(self) -> ModeActions: ...
 
     def check_admission(self) -> None: ...
+
 
 RequestId = Hashable
 _MAX_TOKEN_ID = 2**32
@@ -794,6 +796,101 @@ class KVCacheManager:
         freed = self.pool.clear_cache()
         self._after_growth()
         return freed
+
+    # -- what other levels ask of the device cache -----------------------------------
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy of the device's cached blocks."""
+        return self.pool.policy
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can obtain right now (empty, or cached and evictable)."""
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Share of the blocks requests hold, 0..1 (cached free blocks count as free)."""
+        return self.pool.usage
+
+    def cached_block(self, key: int) -> int | None:
+        """The device block cached under ``key``, or ``None``."""
+        return self.pool.cached_block(key)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some request holds."""
+        return self.pool.num_used
+
+    @property
+    def num_empty(self) -> int:
+        """Blocks that hold nothing (neither a request's nor cached)."""
+        return self.pool.num_empty
+
+    def device_hits(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` the device holds (a prefix match without tiers)."""
+        return len(self.pool.lookup(keys))
+
+    def prefix_blocks(self, keys: Sequence[int]) -> list[int]:
+        """The device blocks cached under the leading ``keys`` (stops at the first miss)."""
+        return self.pool.lookup(keys)
+
+    def ref_count(self, block: int) -> int:
+        """How many requests hold ``block`` (0: cached, evictable)."""
+        return self.pool.ref[block]
+
+    def count_evictable(self, blocks: Sequence[int]) -> int:
+        """How many of the cached ``blocks`` no request holds."""
+        return self.pool.count_evictable(blocks)
+
+    def is_shared(self, block: int) -> bool:
+        """Whether more than one request holds ``block`` (writing it needs a copy)."""
+        return self.pool.ref[block] > 1
+
+    def compression_plan(self, keys: Sequence[int], fraction: float) -> tuple[list[int], list[int]]:
+        """The cached blocks of a prefix chain that may leave the device: the last
+        ``fraction`` of the chain's device blocks no request holds, with every cached
+        descendant, children first (the order demotions go in); and their keys."""
+        pool = self.pool
+        chain = pool.lookup(keys)
+        # Held blocks are a prefix of the chain (a request holds all of its
+        # blocks' parents), so the free ones are its tail.
+        first = len(chain)
+        while first > 0 and not pool.ref[chain[first - 1]]:
+            first -= 1
+        want = len(chain) - math.ceil(len(chain) * fraction - 1e-9)
+        first = max(first, want)
+        if first >= len(chain):
+            return [], []
+        order: list[int] = []
+        stack = [chain[first]]
+        while stack:
+            b = stack.pop()
+            order.append(b)
+            stack.extend(pool.children_of(b))
+        order.reverse()
+        out_keys: list[int] = []
+        for b in order:
+            key = pool.block_key[b]
+            assert key is not None
+            out_keys.append(key)
+        return order, out_keys
+
+    def withdraw_stored(
+        self, blocks: Sequence[int], keys: Sequence[int], stored: Callable[[int], bool]
+    ) -> list[int]:
+        """Free the ``blocks`` (children first, as :meth:`compression_plan` lists them)
+        whose key another level now holds (``stored(key)``), whole subtrees only: a block
+        leaves with its descendants. Returns them, parents first. A withdrawal is not
+        an eviction: evict listeners do not hear of it."""
+        pool = self.pool
+        gone: set[int] = set()
+        for b, key in zip(blocks, keys, strict=True):
+            if stored(key) and all(c in gone for c in pool.children_of(b)):
+                gone.add(b)
+        leaving = [b for b in reversed(blocks) if b in gone]
+        pool.withdraw(leaving)
+        return leaving
 
     # -- ports -----------------------------------------------------------------------
     def add_evict_listener(self, listener: EvictListener) -> None:

@@ -154,7 +154,7 @@ class MultiDeviceManager:
                 )
             if (p.storage is None) != (pools[0].storage is None):
                 raise ConfigError("give every device a storage, or none (bookkeeping only)")
-            if p.storage is not None and p.storage.num_blocks != m.pool.num_blocks:
+            if p.storage is not None and p.storage.num_blocks != m.num_blocks:
                 raise ConfigError(f"device {i}: storage and manager disagree on the block count")
         given = [p.storage.device if p.storage is not None else None for p in pools]
         for i, p in enumerate(pools):
@@ -169,7 +169,6 @@ class MultiDeviceManager:
             raise ConfigError(f"max_moves must be a non-negative integer, got {max_moves!r}")
         self.pools = list(pools)
         self.block_size = first.block_size
-        self.hasher = first.hasher
         self.max_moves = max_moves
         self._live: dict[RequestId, _Live] = {}
         self.moves = 0
@@ -229,7 +228,7 @@ class MultiDeviceManager:
 
     def usage(self, device: int) -> float:
         """Share of the device's blocks that requests hold."""
-        return self.pools[device].manager.pool.usage
+        return self.pools[device].manager.usage
 
     def stats(self) -> list[CacheStats]:
         return [p.manager.stats() for p in self.pools]
@@ -259,18 +258,18 @@ class MultiDeviceManager:
 
     # -- sizing ---------------------------------------------------------------------------
     def _fit(self, d: int, keys: Sequence[int], n: int) -> _Fit:
-        pool = self.pools[d].manager.pool
-        hits = pool.lookup(keys[: (n - 1) // self.block_size])
-        reserved = pool.count_evictable(hits) if hits else 0
+        manager = self.pools[d].manager
+        hits = manager.prefix_blocks(keys[: (n - 1) // self.block_size])
+        reserved = manager.count_evictable(hits) if hits else 0
         need = blocks_needed(n, self.block_size) - len(hits)
-        return _Fit(d, len(hits), need, pool.num_free - reserved, set(hits))
+        return _Fit(d, len(hits), need, manager.num_free - reserved, set(hits))
 
     def _exclusive(self, request_id: RequestId, keep: set[int]) -> int:
         """Blocks moving ``request_id`` off its device gives back there (``keep`` aside)."""
         live = self._live[request_id]
         manager = self.pools[live.device].manager
-        ref = manager.pool.ref
-        return sum(1 for b in manager.held_blocks(request_id) if ref[b] == 1 and b not in keep)
+        held = manager.held_blocks(request_id)
+        return sum(1 for b in held if manager.ref_count(b) == 1 and b not in keep)
 
     def _cost(self, request_id: RequestId, t: int) -> int:
         """Blocks of device ``t`` that moving ``request_id`` there would take from its free ones.
@@ -280,16 +279,15 @@ class MultiDeviceManager:
         later full blocks that ``t`` caches (held as duplicates).
         """
         live = self._live[request_id]
-        pool = self.pools[t].manager.pool
+        manager = self.pools[t].manager
         n = len(live.tokens)
         bs = self.block_size
-        keys = self.hasher.chain(live.tokens, extra=live.extra)
-        hits = pool.lookup(keys[: (n - 1) // bs])
-        ref = pool.ref
-        cost = blocks_needed(n, bs) - len(hits) + [ref[b] for b in hits].count(0)
+        keys = manager.keys_for(live.tokens, live.extra)
+        hits = manager.prefix_blocks(keys[: (n - 1) // bs])
+        cost = blocks_needed(n, bs) - len(hits) + manager.count_evictable(hits)
         for key in keys[len(hits) : n // bs]:
-            b = pool.cached_block(key)
-            if b is not None and ref[b] == 0:
+            b = manager.cached_block(key)
+            if b is not None and manager.ref_count(b) == 0:
                 cost += 1
         return cost
 
@@ -327,7 +325,7 @@ class MultiDeviceManager:
         n = len(tokens)
         if n == 0:
             raise BadRequestError("token_ids is empty: give at least one token id")
-        keys = self.hasher.chain(tokens, extra=extra)
+        keys = self.pools[0].manager.keys_for(tokens, extra)
         candidates = [device] if device is not None else range(len(self.pools))
         fits = [self._fit(d, keys, n) for d in candidates]
         roomy = [f for f in fits if f.need <= f.room]
@@ -365,7 +363,7 @@ class MultiDeviceManager:
                 raise InternalInvariantError(f"making room on device {f.device} fell short")
             return again, moves
         short = min(fits, key=lambda f: f.need - f.room)
-        total = sum(p.manager.pool.num_blocks for p in self.pools)
+        total = sum(p.manager.num_blocks for p in self.pools)
         raise OutOfBlocksError(short.need, max(short.room, 0), total)
 
     def _plan_room(self, d: int, short: int, keep: set[int]) -> list[tuple[RequestId, int]] | None:
@@ -376,7 +374,7 @@ class MultiDeviceManager:
         """
         if short <= 0:
             return []
-        rooms = [p.manager.pool.num_free if e != d else -1 for e, p in enumerate(self.pools)]
+        rooms = [p.manager.num_free if e != d else -1 for e, p in enumerate(self.pools)]
         movable = [
             (self._exclusive(rid, keep), rid)
             for rid, live in self._live.items()
@@ -412,7 +410,7 @@ class MultiDeviceManager:
         for e, p in enumerate(self.pools):
             if e == d:
                 continue
-            found = p.manager.pool.lookup(limit)
+            found = p.manager.prefix_blocks(limit)
             if len(found) <= hit or len(found) <= len(best_blocks):
                 continue
             unready = self._unready(e)
@@ -466,15 +464,15 @@ class MultiDeviceManager:
         table = manager.block_table(request_id)
         n = table.num_tokens + k
         grow = blocks_needed(n, self.block_size) - len(table.blocks)
-        cow = table.num_tokens % self.block_size != 0 and manager.pool.ref[table.blocks[-1]] > 1
-        short = grow + cow - manager.pool.num_free
+        cow = table.num_tokens % self.block_size != 0 and manager.is_shared(table.blocks[-1])
+        short = grow + cow - manager.num_free
         plan = self._plan_room(d, short, set(manager.held_blocks(request_id)))
         if plan is not None:
             return [self._move(rid, dst) for rid, dst in plan]
         if not live.pinned:
             more = blocks_needed(n, self.block_size) - len(table.blocks)
             room = {
-                e: p.manager.pool.num_free - self._cost(request_id, e) - more
+                e: p.manager.num_free - self._cost(request_id, e) - more
                 for e, p in enumerate(self.pools)
                 if e != d
             }
@@ -532,7 +530,7 @@ class MultiDeviceManager:
         target = self.pools[dst]
         tokens = live.tokens
         n = len(tokens)
-        keys = self.hasher.chain(tokens, extra=live.extra)
+        keys = self.pools[0].manager.keys_for(tokens, live.extra)
         try:
             alloc = target.manager.allocate(
                 request_id, tokens, extra_keys=live.extra, block_keys=keys[: n // bs]
@@ -575,7 +573,7 @@ class MultiDeviceManager:
 
     def _best_rebalance_move(self) -> tuple[RequestId, int] | None:
         """The move off the fullest device that lowers the sum of squared usages most."""
-        pools = [p.manager.pool for p in self.pools]
+        pools = [p.manager for p in self.pools]
         used = [p.num_used for p in pools]
         size = [p.num_blocks for p in pools]
         hi = max(range(len(pools)), key=lambda e: used[e] / size[e])

@@ -33,7 +33,7 @@ class AgentSupport:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.policy = workflow_policy_of(engine.manager.pool.policy)
+        self.policy = workflow_policy_of(engine.manager.policy)
         self.tracker: WorkflowTracker = (
             self.policy.tracker if self.policy is not None else WorkflowTracker()
         )

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.errors import ConfigError, KvTierError
 
 if TYPE_CHECKING:
-    from kvtier.offload.chain import PendingLoad
+    from kvtier.offload.promote import PendingLoad
 
 #: Bytes of blocks in flight at once, by default.
 DEFAULT_PREFETCH_BYTES = 64 * 2**20
@@ -192,7 +192,6 @@ class Prefetcher:
         if tiers is None:
             return []
         manager = engine.manager
-        pool = manager.pool
         bpb = engine.layout.bytes_per_block
         found: list[tuple[Candidate, Sequence[int], Sequence[int], int]] = []
         for distance, wid, aid in self.due(self.lookahead):
@@ -200,7 +199,7 @@ class Prefetcher:
             if target is None:
                 continue
             tokens, keys = target
-            dev = len(pool.lookup(keys))
+            dev = manager.device_hits(keys)
             if dev >= len(keys):
                 continue
             rest = keys[dev:]
@@ -216,7 +215,7 @@ class Prefetcher:
             [c for c, _, _, _ in found],
             bytes_per_block=bpb,
             budget_bytes=budget,
-            empty_blocks=pool.num_empty,
+            empty_blocks=manager.num_empty,
             evictable_after=self.evictable_after,
         )
         granted = {id(g.candidate): g.blocks for g in grants}

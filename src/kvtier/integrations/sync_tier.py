@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError, CorruptBlockError, TierUnavailableError
 from kvtier.offload.config import TierSpec
+from kvtier.offload.core import TierCore, drop_items
 from kvtier.offload.manager import OffloadingManager, PrepareStoreOutput
 from kvtier.offload.media import BlockStore, PutItem, Stored
 from kvtier.offload.registry import make_medium
@@ -84,7 +84,7 @@ class SyncTierCounters:
     refused: int = 0
 
 
-class SyncTier:
+class SyncTier(TierCore):
     """A medium bound to ``namespace`` with ``capacity`` items, evicted by ``spec.policy``."""
 
     def __init__(
@@ -101,54 +101,28 @@ class SyncTier:
                 f"the {spec.medium} tier's {spec.size_bytes:,} bytes hold no item: give it a "
                 "larger size="
             )
+        medium: BlockStore = make_medium(spec.medium, spec.location, dict(spec.options))
+        super().__init__(
+            medium,
+            capacity,
+            spec.policy,
+            name=spec.medium,
+            enable_events=False,
+            retry_interval_s=retry_interval_s,
+        )
         self.spec = spec
         self.namespace = namespace
-        self.capacity = capacity
-        self.retry_interval_s = retry_interval_s
-        self.medium: BlockStore = make_medium(spec.medium, spec.location, dict(spec.options))
-        self.medium.bind(namespace, capacity, item_bytes)
-        self.offload_manager = OffloadingManager(
-            capacity, spec.policy, medium=self.medium.name, enable_events=False
-        )
+        medium.bind(namespace, capacity, item_bytes)
         self.counters = SyncTierCounters()
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        if self.medium.caps.persistent:
-            self._adopt_scan()
-
-    # -- health -----------------------------------------------------------------------------
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        if medium.caps.persistent:
+            with self._lock:
+                self.counters.adopted += self.adopt_scan()
 
     def _failed(self, exc: TierUnavailableError) -> None:
         with self._lock:
-            first = self.available
             self.counters.unavailable += 1
-            self._down_until = time.monotonic() + self.retry_interval_s
-        if first:
-            log.warning(
-                "the %s tier is unavailable; skipping it for %.1fs at a time: %s",
-                self.spec.medium, self.retry_interval_s, exc,
-            )
-
-    def _adopt_scan(self) -> None:
-        """Serve what an earlier process left on a persistent medium: the newest that fit."""
-        try:
-            found = self.medium.scan()
-        except TierUnavailableError as exc:
-            self._failed(exc)
-            return
-        keep = found[-self.capacity:]
-        stale = found[: len(found) - len(keep)]
-        with self._lock:
-            adopted = self.offload_manager.adopt(keep)
-            self.counters.adopted += len(adopted)
-        if stale:
-            self.medium.delete([(k, 0) for k in stale])
-        if adopted:
-            log.info("the %s tier serves %d items of an earlier run", self.spec.medium,
-                     len(adopted))
+            self.health.failed(exc)
 
     # -- the three calls ----------------------------------------------------------------------
     def present(self, ids: Sequence[int]) -> int:
@@ -159,19 +133,14 @@ class SyncTier:
             n = self.offload_manager.lookup(ids) or 0
         if n == len(ids) or not self.medium.caps.shared:
             return n
-        rest = list(ids[n:])
-        try:
-            found = self.medium.contains(rest)
-        except TierUnavailableError as exc:
-            self._failed(exc)
-            return n
-        run = next((i for i, hit in enumerate(found) if not hit), len(found))
-        if run:
-            with self._lock:
-                adopted = self.offload_manager.adopt(rest[:run])
-                self.counters.adopted += len(adopted)
-            run = len(adopted)
-        return n + run
+        with self._lock:
+            adopted = self.adopt_present(ids[n:])
+            if adopted is None:
+                self.counters.unavailable += 1
+                return n
+            self.health.answered()
+            self.counters.adopted += adopted
+        return n + adopted
 
     def read(self, ids: Sequence[int], fill: Callable[[int, Stored], None]) -> list[bool]:
         """Read the held ``ids``; ``fill(i, stored)`` checks and copies item ``i`` out.
@@ -217,11 +186,8 @@ class SyncTier:
             with self._lock:
                 manager.complete_load([kid for _, kid, _ in pinned])
                 manager.remove([kid for kid, _ in bad + corrupt])
-        if corrupt:
-            try:
-                self.medium.purge(corrupt)
-            except TierUnavailableError as exc:
-                self._failed(exc)
+        # A damaged item is purged for every process sharing the medium.
+        drop_items(self.medium, corrupt, self.health, everywhere=True)
         return ok
 
     def write(self, ids: Sequence[int], item: Callable[[int], PutItem]) -> list[bool]:
@@ -281,15 +247,4 @@ class SyncTier:
 
     def _drop(self, ids: list[int]) -> None:
         with self._lock:
-            held = self.offload_manager
-            items = [(k, held.slot_of(k)) for k in ids if held.is_ready(k)]
-            dropped = set(held.remove([k for k, _ in items]))
-        items = [item for item in items if item[0] in dropped]
-        if items:
-            try:
-                self.medium.purge(items)
-            except TierUnavailableError as exc:
-                self._failed(exc)
-
-    def close(self) -> None:
-        self.medium.close()
+            self.drop(ids, bad=True)

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError, CorruptBlockError, OversizeError, TierUnavailableError
-from kvtier.offload.codec import _DTYPES, HEADER_SIZE, BlockHeader, make_codec, verify
+from kvtier.offload.codec import HEADER_DTYPES, HEADER_SIZE, BlockHeader, make_codec, verify
 from kvtier.offload.config import TierSpec
+from kvtier.offload.core import TierHealth, drop_items
 from kvtier.offload.media import BlockStore, ItemFormat
 from kvtier.offload.registry import make_medium
 from kvtier.policy.base import EvictionPolicy
@@ -63,7 +64,7 @@ class Expected:
 def storable(tensor: torch.Tensor) -> bool:
     """Whether a medium can hold ``tensor`` under a block header (dtype, rank, dims)."""
     return (
-        tensor.dtype in _DTYPES
+        tensor.dtype in HEADER_DTYPES
         and 0 < tensor.dim() <= 6
         and all(0 <= d < _U32 for d in tensor.shape)
     )
@@ -110,7 +111,8 @@ class EncoderTier:
         self.evictions = 0
         self.corrupt = 0
         self.mismatched = 0
-        self.unavailable = 0
+        #: The one failure policy of every tier: counted, logged per outage.
+        self.health = TierHealth(f"encoder-output {self.name}")
         self.unstorable = 0
         self.adopted = 0
 
@@ -131,6 +133,11 @@ class EncoderTier:
 
     def __len__(self) -> int:
         return len(self.policy)
+
+    @property
+    def unavailable(self) -> int:
+        """Calls that found the medium unreachable."""
+        return self.health.unavailable
 
     @property
     def used_bytes(self) -> int:
@@ -155,9 +162,9 @@ class EncoderTier:
                 return None
         try:
             stored = self.medium.get([(key, 0)])[0]
-        except TierUnavailableError:
+        except TierUnavailableError as exc:
             with self._lock:
-                self.unavailable += 1
+                self.health.failed(exc)
                 self.misses += 1
             return None
         if stored is None:
@@ -236,8 +243,8 @@ class EncoderTier:
             self._evicted(victims)
             try:
                 self.medium.put([(key, 0, self._codec.encode(cpu), fmt)])
-            except TierUnavailableError:
-                self.unavailable += 1
+            except TierUnavailableError as exc:
+                self.health.failed(exc)
                 return False
             self.policy.insert(key, False, size)
             self._models[key] = model_id
@@ -259,14 +266,7 @@ class EncoderTier:
         self._models.pop(key, None)
 
     def _delete(self, keys: list[int], *, everywhere: bool) -> None:
-        items = [(k, 0) for k in keys]
-        try:
-            if everywhere and self.medium.caps.purge:
-                self.medium.purge(items)
-            else:
-                self.medium.delete(items)
-        except TierUnavailableError:
-            self.unavailable += 1
+        drop_items(self.medium, [(k, 0) for k in keys], self.health, everywhere=everywhere)
 
     # -- maintenance -------------------------------------------------------------------
     def remove_model(self, model_id: str | None) -> int:
@@ -292,7 +292,7 @@ class EncoderTier:
                 "evictions": self.evictions,
                 "corrupt": self.corrupt,
                 "mismatched": self.mismatched,
-                "unavailable": self.unavailable,
+                "unavailable": self.health.unavailable,
                 "unstorable": self.unstorable,
                 "adopted": self.adopted,
             }

@@ -29,13 +29,13 @@ __all__ = [
 
 #: Names that import torch, loaded when first used.
 _LAZY = {
-    "Tier": "kvtier.offload.chain",
+    "Tier": "kvtier.offload.tier",
     "TierChain": "kvtier.offload.chain",
-    "SwappedRequest": "kvtier.offload.chain",
+    "SwappedRequest": "kvtier.offload.swap",
     "TierSpec": "kvtier.offload.config",
     "HostStore": "kvtier.offload.host",
     "DeviceStore": "kvtier.offload.device_tier",
-    "CompressionResult": "kvtier.offload.chain",
+    "CompressionResult": "kvtier.offload.compress",
     "DiskStore": "kvtier.offload.disk",
     "RedisStore": "kvtier.offload.redis_store",
     "TransferEngine": "kvtier.offload.transfer",

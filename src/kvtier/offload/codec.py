@@ -50,6 +50,8 @@ _DTYPES: dict[torch.dtype, int] = {
     torch.uint8: 6,
 }
 _DTYPE_BY_ID = {v: k for k, v in _DTYPES.items()}
+#: The dtypes a block header can name (what any medium can hold).
+HEADER_DTYPES: frozenset[torch.dtype] = frozenset(_DTYPES)
 
 
 def payload_checksum(key: int, payload: memoryview | bytes) -> int:
@@ -242,8 +244,9 @@ def make_codec(name: str | Codec) -> Codec:
         ) from None
 
 
-def make_header(codec: Codec, key: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                payload: torch.Tensor) -> bytes:
+def make_header(
+    codec: Codec, key: int, block_shape: tuple[int, ...], dtype: torch.dtype, payload: torch.Tensor
+) -> bytes:
     """The packed header for ``payload`` (a CPU uint8 tensor) of block ``key``."""
     return BlockHeader(
         key=key,
@@ -278,9 +281,7 @@ def verify(
     if codec_cls is None:
         raise CorruptBlockError(f"stored block names unknown codec id {h.codec_id}")
     codec = codec_cls()
-    if int(payload.numel()) != h.payload_len or h.payload_len != codec.payload_size(
-        h.shape, dtype
-    ):
+    if int(payload.numel()) != h.payload_len or h.payload_len != codec.payload_size(h.shape, dtype):
         raise CorruptBlockError(
             f"stored block payload is {int(payload.numel())} bytes, header says {h.payload_len}"
         )

@@ -26,13 +26,13 @@ medium's own option (``fsync`` for disk, ``ttl``, ``prefix`` and
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.offload.chain import Tier
 from kvtier.offload.codec import HEADER_SIZE, make_codec
 from kvtier.offload.registry import (
     import_medium_module,
@@ -40,6 +40,7 @@ from kvtier.offload.registry import (
     medium_for_scheme,
     probe_medium,
 )
+from kvtier.offload.tier import Tier
 from kvtier.units import parse_memory_size
 
 _TIER_SETTINGS = frozenset({"size", "codec", "policy", "write", "module"})
@@ -194,3 +195,19 @@ class TierSpec:
         store = make_medium(self.medium, location, dict(self.options))
         cap = self.capacity_blocks(block_shape, dtype)
         return Tier(store, cap, policy=self.policy, codec=self.codec, write_mode=self.write_mode)
+
+
+#: The built-in media's speed order (fastest first); other media may go anywhere.
+_SPEED_ORDER = {"device": 0, "host": 1, "disk": 2, "redis": 3, "redis+cluster": 3}
+
+
+def check_tier_order(specs: Sequence[TierSpec]) -> None:
+    """ConfigError unless each medium is given once and the built-in ones go fastest first."""
+    media = [s.medium for s in specs]
+    if len(set(media)) != len(media):
+        raise ConfigError(f"each medium may be given once; got tiers {', '.join(media)}")
+    known = [m for m in media if m in _SPEED_ORDER]
+    if known != sorted(known, key=_SPEED_ORDER.__getitem__):
+        raise ConfigError(
+            f"tiers must go fastest first (device, host, disk, redis); got {', '.join(media)}"
+        )

@@ -213,7 +213,7 @@ class _Engine:
 
     def local_match(self, keys: Sequence[int]) -> int:
         """Leading ``keys`` this engine holds on its device, then its host tier."""
-        n = len(self.manager.pool.lookup(keys))
+        n = self.manager.device_hits(keys)
         host = self.host
         if host is not None and n < len(keys):
             n += host.lookup(keys[n:]) or 0
@@ -288,7 +288,7 @@ class ClusterReplay:
         n = req.input_length
         limit = (n - 1) // bs  # the last prompt token is always computed
         manager = engine.manager
-        device = len(manager.pool.lookup(keys[:limit]))
+        device = manager.device_hits(keys[:limit])
         host_hit = shared_hit = 0
         i = device
         host, shared = engine.host, self.shared

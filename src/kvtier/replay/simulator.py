@@ -301,9 +301,8 @@ def simulate_prefix(
     bs = trace.block_size
     clock = TraceClock(trace)
     manager = KVCacheManager(capacity, bs, policy=policy_name, clock=clock)
-    pool = manager.pool
-    register_workflows(trace, pool.policy)
-    cached_block = pool.cached_block
+    register_workflows(trace, manager.policy)
+    cached_block = manager.cached_block
     result = RunResult(manager.stats().policy, "prefix", capacity)
     live: deque[int] = deque()
     since_tick = 0

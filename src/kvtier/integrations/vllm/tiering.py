@@ -2,7 +2,7 @@
 
 vLLM 0.33's ``TieringOffloadingSpec`` keeps offloaded KV chunks in a CPU
 tier and cascades every chunk stored there to its *secondary tiers*, which it
-loads by class name and module path. :class:`KvtierSecondaryTier` is such a
+loads by class name and module path. :class:`KvTierSecondaryTier` is such a
 tier over any kvtier medium: a directory (restart-warm), a Redis server or
 Redis Cluster (shared by every engine using it), host memory, or a medium
 registered by a plug-in. In ``kv_connector_extra_config``::
@@ -10,7 +10,7 @@ registered by a plug-in. In ``kv_connector_extra_config``::
     "spec_name": "TieringOffloadingSpec",
     "cpu_bytes_to_use": 8589934592,
     "secondary_tiers": [{
-        "type": "KvtierSecondaryTier",
+        "type": "KvTierSecondaryTier",
         "module_path": "kvtier.integrations.vllm.tiering",
         "url": "disk:/var/cache/kvtier?size=200GiB&policy=s3fifo"
     }]
@@ -80,6 +80,7 @@ from kvtier.integrations.flat import FlatPages, key_id
 from kvtier.integrations.sync_tier import reserve_leading
 from kvtier.integrations.vllm.version import CACHE_POLICY_API, require_vllm
 from kvtier.offload.config import TierSpec
+from kvtier.offload.core import TierHealth
 from kvtier.offload.manager import OffloadingManager
 from kvtier.offload.media import BlockStore, PutItem
 from kvtier.offload.registry import make_medium
@@ -200,7 +201,7 @@ class _Backlog:
 class _MediumLookups(AsyncLookupManager):  # type: ignore[misc]
     """vLLM's background existence checks, asking a shared kvtier medium."""
 
-    def __init__(self, tier: KvtierSecondaryTier) -> None:
+    def __init__(self, tier: KvTierSecondaryTier) -> None:
         super().__init__(tier_type=tier.tier_type)
         self._tier = tier
 
@@ -213,7 +214,7 @@ class _MediumLookups(AsyncLookupManager):  # type: ignore[misc]
             return [False] * len(keys)
 
 
-class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
+class KvTierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """A kvtier medium as a vLLM secondary tier (see the module docstring)."""
 
     medium: ClassVar[Any] = Medium.STORAGE
@@ -286,7 +287,9 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.offload_manager = OffloadingManager(
             self.capacity, spec.policy, medium=self._medium.name, enable_events=self._events_on
         )
-        self.retry_interval_s = float(retry_interval_s)
+        self.health = TierHealth(
+            f"{self.tier_type} ({spec.medium})", retry_interval_s=retry_interval_s, logger=log
+        )
         self._engine = TransferEngine(workers, cuda_streams=False, prestart=True)
         # Copies of store jobs too large to make on the scheduler thread, in order; a
         # thread of their own so a copy never waits behind a disk or network write.
@@ -308,9 +311,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookup_pins: Counter[int] = Counter()
         # kvtier key -> vLLM key, for the keys this process has seen (events).
         self._names: dict[int, OffloadKey] = {}
-        self._down_until = 0.0
         self._down_lock = threading.Lock()
-        self._down_logged = False
         self.corrupt = 0
         self.vanished = 0
         self.unavailable = 0
@@ -332,19 +333,24 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         """The medium failed: skip it for ``retry_interval_s`` (any thread may call this)."""
         with self._down_lock:
             self.unavailable += 1
-            self._down_until = time.monotonic() + self.retry_interval_s
-            if not self._down_logged:
-                self._down_logged = True
-                log.warning(
-                    "secondary tier %s (%s) is unavailable, lookups miss and stores are "
-                    "dropped for %.1fs at a time until it answers: %s",
-                    self.tier_type, self.spec.medium, self.retry_interval_s, exc,
-                )
+            self.health.failed(exc)
+
+    def _answered(self) -> None:
+        with self._down_lock:
+            self.health.answered()
 
     @property
     def available(self) -> bool:
         """Whether the medium is being used (False for a while after a failure)."""
-        return time.monotonic() >= self._down_until
+        return self.health.available
+
+    @property
+    def retry_interval_s(self) -> float:
+        return self.health.retry_interval_s
+
+    @retry_interval_s.setter
+    def retry_interval_s(self, seconds: float) -> None:
+        self.health.retry_interval_s = float(seconds)
 
     # -- lookups --------------------------------------------------------------------------------
     def _id(self, key: OffloadKey) -> int:
@@ -505,9 +511,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.offload_manager.complete_store(keys, success=result.ok)
         if result.ok:
             self.bytes_written += int(result.value)
-            if self._down_logged:
-                self._down_logged = False
-                log.info("secondary tier %s (%s) answers again", self.tier_type, self.spec.medium)
+            self._answered()
         elif isinstance(result.error, TierUnavailableError):
             self._mark_down(result.error)
         else:
@@ -587,6 +591,7 @@ class KvtierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 log.error("secondary tier %s: a load failed: %r", self.tier_type, result.error)
             self._finished.append(JobResult(job_id=job_id, success=False))
             return
+        self._answered()
         ok, vanished, corrupt = result.value
         self.vanished += len(vanished)
         self.corrupt += len(corrupt)
