@@ -12,6 +12,7 @@ from serving import MODEL, serving
 from tiny_model import tiny_engine
 
 from kvtier.agents.policy import PINNED, workflow_policy_of
+from kvtier.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -124,18 +125,46 @@ def test_bad_workflows_are_refused(server: Any) -> None:
 
 def test_serve_prefetch_flags(capsys: pytest.CaptureFixture[str]) -> None:
     from kvtier.cli import main
-    from kvtier.cli.serve import add_parser, enable_prefetch
-    from kvtier.offload.chain import Tier
+    from kvtier.cli.serve import add_parser, engine_config
     from kvtier.offload.host import HostStore
+    from kvtier.offload.tier import Tier
 
     # Without a tier the flag is refused before any model loads.
     assert main(["serve", "--prefetch-lookahead", "2", "--port", "0"]) == 1
-    assert "add a --tier" in capsys.readouterr().err
+    assert "add a tier" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--prefetch-lookahead", "2", "--prefetch-memory", "1MiB"])
-    eng = tiny_engine(block_size=4, num_blocks=32, policy="workflow", tiers=[Tier(HostStore(), 64)])
-    enable_prefetch(eng, args)
+    prefetch = engine_config(args).prefetch
+    assert (prefetch.lookahead, prefetch.max_bytes) == (2, 2**20)
+    eng = tiny_engine(
+        block_size=4, num_blocks=32, policy="workflow", tiers=[Tier(HostStore(), 64)],
+        prefetch=prefetch,
+    )
     assert eng.agents.prefetcher is not None
     assert (eng.agents.prefetcher.lookahead, eng.agents.prefetcher.max_bytes) == (2, 2**20)
     eng.close()
+    # The configuration itself refuses prefetch with no tier to bring blocks back from.
+    with pytest.raises(ConfigError, match="add a tier"):
+        tiny_engine(block_size=4, num_blocks=32, prefetch=prefetch)
+
+
+def test_sessions_end_by_hint_or_endpoint_and_show_in_the_stats(server: Any) -> None:
+    base = server.base
+    client = server.client()
+    chat(client, "a tool call", {"session_id": "tool-1", "cache_ttl_s": 60})
+    chat(client, "another", {"session_id": "tool-2", "cache_ttl_s": 60})
+    sessions = httpx.get(f"{base}/v1/cache/stats").json()["sessions"]
+    assert sessions["live"] >= 2 and sessions["pinned_bytes"] > 0
+    r = httpx.delete(f"{base}/v1/sessions/tool-1")
+    assert r.status_code == 200 and r.json()["object"] == "session.ended"
+    assert httpx.delete(f"{base}/v1/sessions/tool-1").status_code == 404
+    chat(client, "done", {"session_id": "tool-2", "session_end": True})
+    after = httpx.get(f"{base}/v1/cache/stats").json()["sessions"]
+    assert after["ended"] >= 2 and after["live"] == sessions["live"] - 2
+    bad = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+              "kvtier": {"session_end": True}},
+    )  # fmt: skip
+    assert bad.status_code == 400 and "session_id" in bad.text

@@ -130,16 +130,6 @@ def _tier_specs(args: argparse.Namespace) -> list[Any]:
                 location=args.redis_url,
             )
         )
-    # The built-in media's speed order; other media stay where they were given.
-    order = {"device": 0, "host": 1, "disk": 2, "redis": 3, "redis+cluster": 3}
-    media = [s.medium for s in specs]
-    if len(set(media)) != len(media):
-        raise ConfigError(f"each medium may be given once; got tiers {', '.join(media)}")
-    known = [m for m in media if m in order]
-    if known != sorted(known, key=order.__getitem__):
-        raise ConfigError(
-            f"tiers must go fastest first (device, host, disk, redis); got {', '.join(media)}"
-        )
     return specs
 
 
@@ -162,7 +152,7 @@ def _pressure_spec(args: argparse.Namespace) -> Any:
 
 def engine_config(args: argparse.Namespace) -> Any:
     """The :class:`~kvtier.engine.config.EngineConfig` the flags describe."""
-    from kvtier.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvtier.engine.config import CacheConfig, EngineConfig, PrefetchConfig, SchedulerConfig
 
     sampling: dict[str, float] = {}
     if args.default_temperature is not None:
@@ -192,6 +182,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         sampling_defaults=sampling or None,
         kv_events=args.kv_events,
         encoder_cache=_encoder_cache_spec(args),
+        prefetch=PrefetchConfig(lookahead=args.prefetch_lookahead, max_bytes=args.prefetch_memory),
     )
 
 
@@ -345,12 +336,6 @@ def preflight(config: Any) -> tuple[Any, list[str]]:
     return tokenizer, warnings
 
 
-def enable_prefetch(engine: Any, args: argparse.Namespace) -> None:
-    """Turn on agent prefetch as ``--prefetch-lookahead`` asks (ConfigError without a tier)."""
-    if args.prefetch_lookahead > 0:
-        engine.agents.enable_prefetch(args.prefetch_lookahead, args.prefetch_memory)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -363,8 +348,7 @@ def run(args: argparse.Namespace) -> int:
             "pip install 'kvtier[torch,serve]'"
         ) from None
     config = engine_config(args)
-    if args.prefetch_lookahead > 0 and not config.tiers:
-        raise ConfigError("--prefetch-lookahead brings blocks back from tiers: add a --tier")
+    config.check_prefetch(bool(config.tiers))
     limits = server_limits(args)
     images = image_limits(args)
     auth, auth_warnings = server_auth(args)
@@ -385,7 +369,6 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         engine = Engine.from_config(config, tokenizer=tokenizer)
         print(f"kvtier: loaded in {time.perf_counter() - started:.1f}s", flush=True)
-        enable_prefetch(engine, args)
         for line in engine.describe():
             print(f"kvtier: {line}", flush=True)
         name = args.served_model_name or engine.model_id

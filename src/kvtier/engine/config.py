@@ -12,7 +12,8 @@ checks a server runs at startup are the ones the engine would apply.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
@@ -22,6 +23,8 @@ from kvtier.pressure.config import PressureSpec
 
 #: Tokens the smallest useful request needs beyond its prompt (one generated token).
 _MIN_COMPLETION = 1
+#: Tokens one step computes at most when ``max_num_batched_tokens`` is not set.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,28 @@ class SchedulerConfig:
                 )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step computes at most, the default resolved."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Agent prefetch: blocks of agents due within ``lookahead`` steps come back from tiers."""
+
+    #: Steps ahead an agent may be to have its blocks brought back (0: off).
+    lookahead: int = 0
+    #: Bytes of blocks prefetches read at once, at most.
+    max_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ConfigError(f"prefetch lookahead must be steps >= 0, got {self.lookahead!r}")
+        _positive("prefetch max_bytes", self.max_bytes)
 
 
 @dataclass(frozen=True)
@@ -154,10 +179,13 @@ class EngineConfig:
     kv_events: str | None = None
     #: The encoder-output cache of a vision-language model (unused for text models).
     encoder_cache: EncoderCacheSpec = field(default_factory=EncoderCacheSpec)
+    #: Agent prefetch from the tiers (off by default; needs a tier).
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self) -> None:
         from kvtier.engine.model import resolve_dtype
-        from kvtier.offload.chain import WRITE_MODES
+        from kvtier.offload.config import check_tier_order
+        from kvtier.offload.tier import WRITE_MODES
 
         resolve_dtype(self.dtype)
         if self.write_mode is not None and self.write_mode not in WRITE_MODES:
@@ -165,6 +193,37 @@ class EngineConfig:
                 f"write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"
             )
         object.__setattr__(self, "tiers", tuple(self.tiers))
+        check_tier_order(self.tiers)
+
+    def check_prefetch(self, has_tiers: bool) -> None:
+        """ConfigError when prefetch is on without a tier to bring blocks back from."""
+        if self.prefetch.lookahead > 0 and not has_tiers:
+            raise ConfigError(
+                "prefetch brings blocks back from tiers: add a tier (--tier) or turn "
+                "prefetch off (--prefetch-lookahead 0)"
+            )
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> EngineConfig:
+        """A configuration from flat settings (``block_size=4, num_blocks=64, ...``): each
+        name is the field of the table it belongs to; an unknown name is a ConfigError."""
+        tables: dict[str, dict[str, Any]] = {"": {}, "cache": {}, "scheduler": {}}
+        for name, value in settings.items():
+            table = _SETTING_TABLE.get(name)
+            if table is None:
+                known = ", ".join(sorted(_SETTING_TABLE))
+                raise ConfigError(f"unknown engine setting {name!r}; the settings are {known}")
+            tables[table][name] = value
+        top = tables[""]
+        if "tiers" in top:
+            top["tiers"] = tuple(top["tiers"])
+        if top.get("sampling_defaults") is None:
+            top.pop("sampling_defaults", None)
+        return cls(
+            cache=CacheConfig(**tables["cache"]),
+            scheduler=SchedulerConfig(**tables["scheduler"]),
+            **top,
+        )
 
     def plan(self, layout: KVLayout, model_positions: int) -> CachePlan:
         """The cache sizes this configuration gives a model of ``layout``; ConfigError if none.
@@ -203,3 +262,11 @@ def layout_block_shape(layout: KVLayout) -> tuple[int, int, int, int, int]:
 def _positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+#: Which table of :class:`EngineConfig` each flat setting belongs to ("": the top level).
+_SETTING_TABLE: dict[str, str] = {
+    **{f.name: "cache" for f in fields(CacheConfig)},
+    **{f.name: "scheduler" for f in fields(SchedulerConfig)},
+    **{f.name: "" for f in fields(EngineConfig) if f.name not in ("cache", "scheduler")},
+}

@@ -20,7 +20,8 @@ from kvtier.engine.request import EngineCounters
 from kvtier.engine.request import Sequence as Seq
 from kvtier.errors import ConfigError, KvTierError, UnknownRequestError
 from kvtier.manager import KVCacheManager
-from kvtier.offload.chain import CompressionResult, TierChain
+from kvtier.offload.chain import TierChain
+from kvtier.offload.compress import CompressionResult
 
 log = logging.getLogger(__name__)
 

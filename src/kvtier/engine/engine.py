@@ -44,6 +44,7 @@ runs it on a thread of its own for concurrent callers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -51,9 +52,7 @@ from typing import Any
 
 from kvtier.agents.attach import AgentSupport
 from kvtier.engine.config import (
-    CacheConfig,
     EngineConfig,
-    SchedulerConfig,
     check_min_request,
     plan_cache,
 )
@@ -81,8 +80,11 @@ from kvtier.hints import Hints
 from kvtier.keys import Namespace
 from kvtier.layout import cache_layout
 from kvtier.manager import KVCacheManager
-from kvtier.offload.chain import CompressionResult, Tier, TierChain
+from kvtier.mm.config import EncoderCacheSpec
+from kvtier.offload.chain import TierChain
+from kvtier.offload.compress import CompressionResult
 from kvtier.offload.config import TierSpec
+from kvtier.offload.tier import Tier
 from kvtier.policy.base import EvictionPolicy
 from kvtier.pressure.config import PressureSpec
 from kvtier.pressure.controller import PressureController
@@ -93,7 +95,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineCounters", "RequestMetrics", "RequestOutput", "check_config"]
 
 #: Tokens one step computes at most, by default: a few prompt chunks next to the decodes.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
 #: What _admit returns for a request whose prefix a prefetch is still loading.
 _DEFERRED = -1
 
@@ -120,38 +122,35 @@ class Engine:
         self,
         model: Any,
         tokenizer: Any,
+        config: EngineConfig | None = None,
         *,
-        model_id: str = "model",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int = 512 * 2**20,
-        policy: str | EvictionPolicy = "lru",
-        max_num_seqs: int = 4,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        prefix_caching: bool = True,
-        sampling_defaults: dict[str, float] | None = None,
+        policy: str | EvictionPolicy | None = None,
         tiers: Sequence[Tier | TierSpec] = (),
-        write_mode: str | None = None,
         pressure: PressureSpec | PressureController | None = None,
-        kv_events: str | None = None,
-        kv_cache_dtype: str = "auto",
         image_processor: Any = None,
         encoder_cache: Any = None,
         scheduling_policy: SchedulingPolicy | None = None,
+        **settings: Any,
     ) -> None:
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-        budget = (
-            max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-            if max_num_batched_tokens is None
-            else max_num_batched_tokens
-        )
-        if not isinstance(budget, int) or budget < max_num_seqs:
-            raise ConfigError(
-                f"max_num_batched_tokens must be an integer of at least max_num_seqs "
-                f"({max_num_seqs}), so every running request decodes each step; got {budget!r}"
-            )
+        config = _resolve_config(config, settings, policy, tiers, pressure, encoder_cache)
+        # Objects given in place of their settings: built tiers, a policy instance, a
+        # pressure controller, an encoder cache (for tests and embedders).
+        if not isinstance(policy, EvictionPolicy):
+            policy = config.cache.policy
+        built_tiers = [t for t in tiers if isinstance(t, Tier)]
+        if isinstance(pressure, PressureSpec) or pressure is None:
+            pressure = config.pressure
+        if encoder_cache is None or isinstance(encoder_cache, EncoderCacheSpec):
+            encoder_cache = config.encoder_cache
+        model_id = config.model_id or "model"
+        block_size = config.cache.block_size
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        max_num_seqs = config.scheduler.max_num_seqs
+        budget = config.scheduler.token_budget
+        prefix_caching = config.cache.prefix_caching
+        sampling_defaults = config.sampling_defaults
+        write_mode = config.write_mode
+        kv_events = config.kv_events
         self.tokenizer = tokenizer
         self.model_id = model_id
         param = next(model.parameters())
@@ -168,9 +167,9 @@ class Engine:
         plan = plan_cache(
             self.layout,
             model_len,
-            num_blocks=num_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            max_model_len=max_model_len,
+            num_blocks=config.cache.num_blocks,
+            kv_cache_bytes=config.cache.kv_cache_bytes,
+            max_model_len=config.scheduler.max_model_len,
         )
         num_blocks = plan.num_blocks
         max_model_len = plan.max_model_len
@@ -186,11 +185,9 @@ class Engine:
             namespace=Namespace(model_id, self.layout),
         )
         built = [
-            t.build(self.storage.block_shape, self.storage.dtype, device=self.device)
-            if isinstance(t, TierSpec)
-            else t
-            for t in tiers
-        ]
+            spec.build(self.storage.block_shape, self.storage.dtype, device=self.device)
+            for spec in config.tiers
+        ] + built_tiers
         #: The chain of tiers below the device (``None`` without tiers).
         self.tier_chain: TierChain | None = (
             TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
@@ -199,7 +196,7 @@ class Engine:
         self.pressure: PressureController | None = None
         if pressure is not None:
             if isinstance(pressure, PressureSpec):
-                pressure = pressure.build(self.manager.pool, self.layout.bytes_per_block)
+                pressure = pressure.build(self.manager, self.layout.bytes_per_block)
             self.pressure = pressure
             self.manager.set_pressure_gate(pressure)
             pressure.start()
@@ -254,30 +251,27 @@ class Engine:
         #: Forward passes run, and tokens they computed (for the batch-size metrics).
         self.steps = 0
         policy_name = policy if isinstance(policy, str) else getattr(policy, "name", "custom")
-        #: The configuration this engine runs with, as data.
-        self.config = EngineConfig(
+        #: The configuration this engine runs with, as data (defaults resolved).
+        self.config = dataclasses.replace(
+            config,
             model_id=model_id,
             dtype=self.model_layout.dtype,
             device=str(self.device),
-            cache=CacheConfig(
-                block_size=block_size,
+            cache=dataclasses.replace(
+                config.cache,
                 kv_cache_bytes=num_blocks * self.layout.bytes_per_block,
                 num_blocks=num_blocks,
                 policy=policy_name,
-                prefix_caching=prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget,
-                max_model_len=max_model_len,
+            scheduler=dataclasses.replace(
+                config.scheduler, max_num_batched_tokens=budget, max_model_len=max_model_len
             ),
-            tiers=tuple(t for t in tiers if isinstance(t, TierSpec)),
-            write_mode=write_mode,
             pressure=pressure if isinstance(pressure, PressureSpec) else None,
             sampling_defaults=dict(self.sampling_defaults),
-            kv_events=kv_events,
         )
+        config.check_prefetch(self.tier_chain is not None)
+        if config.prefetch.lookahead > 0:
+            self.agents.enable_prefetch(config.prefetch.lookahead, config.prefetch.max_bytes)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -308,28 +302,10 @@ class Engine:
         the weights are read, so a configuration that cannot serve fails in
         a second, not after the model loaded.
         """
-        kwargs: dict[str, Any] = {
-            "block_size": config.cache.block_size,
-            "num_blocks": config.cache.num_blocks,
-            "kv_cache_bytes": config.cache.kv_cache_bytes,
-            "policy": config.cache.policy,
-            "prefix_caching": config.cache.prefix_caching,
-            "kv_cache_dtype": config.cache.kv_cache_dtype,
-            "max_num_seqs": config.scheduler.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "max_model_len": config.scheduler.max_model_len,
-            "tiers": config.tiers,
-            "write_mode": config.write_mode,
-            "pressure": config.pressure,
-            "kv_events": config.kv_events,
-            "encoder_cache": config.encoder_cache,
-        }
-        if config.sampling_defaults is not None:
-            kwargs["sampling_defaults"] = dict(config.sampling_defaults)
         if model is not None:
             if tokenizer is None:
                 raise ConfigError("Engine.from_config: a model needs its tokenizer too")
-            return cls(model, tokenizer, model_id=config.model_id or "model", **kwargs)
+            return cls(model, tokenizer, config)
         from kvtier.engine.model import load_model
 
         loaded = load_model(
@@ -340,9 +316,16 @@ class Engine:
             check_tokenizer=lambda tok: check_config(config, tok),
             tokenizer=tokenizer,
         )
-        kwargs.setdefault("sampling_defaults", loaded.sampling_defaults)
-        kwargs.setdefault("image_processor", loaded.image_processor)
-        return cls(loaded.model, loaded.tokenizer, model_id=loaded.model_id, **kwargs)
+        config = dataclasses.replace(
+            config,
+            model_id=loaded.model_id,
+            sampling_defaults=(
+                config.sampling_defaults
+                if config.sampling_defaults is not None
+                else loaded.sampling_defaults
+            ),
+        )
+        return cls(loaded.model, loaded.tokenizer, config, image_processor=loaded.image_processor)
 
     def describe(self) -> list[str]:
         """What this engine runs with, one line per part (the server's startup banner)."""
@@ -642,3 +625,33 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         if isinstance(tid, int) and tid != unk:
             ids.add(tid)
     return frozenset(ids)
+
+
+def _resolve_config(
+    config: EngineConfig | None,
+    settings: dict[str, Any],
+    policy: object,
+    tiers: Sequence[object],
+    pressure: object,
+    encoder_cache: object,
+) -> EngineConfig:
+    """One :class:`EngineConfig` from a config or flat settings, plus the settings given
+    as keywords in their data form (a policy name, tier specs, a pressure spec)."""
+    if config is None:
+        config = EngineConfig.from_settings(**settings)
+    elif settings:
+        raise ConfigError(
+            f"give the engine's settings in its EngineConfig or as keywords, not both "
+            f"(got config and {', '.join(sorted(settings))})"
+        )
+    changes: dict[str, Any] = {}
+    if isinstance(policy, str):
+        changes["cache"] = dataclasses.replace(config.cache, policy=policy)
+    specs = tuple(t for t in tiers if isinstance(t, TierSpec))
+    if specs:
+        changes["tiers"] = config.tiers + specs
+    if isinstance(pressure, PressureSpec):
+        changes["pressure"] = pressure
+    if isinstance(encoder_cache, EncoderCacheSpec):
+        changes["encoder_cache"] = encoder_cache
+    return dataclasses.replace(config, **changes) if changes else config

@@ -32,7 +32,8 @@ from kvtier.errors import BadRequestError, ConfigError, KvTierError
 from kvtier.keys import ExtraKey
 from kvtier.layout import DTYPE_BYTES, KVLayout, cdiv
 from kvtier.manager import KVCacheManager, RequestId
-from kvtier.offload.chain import SwappedRequest, TierChain
+from kvtier.offload.chain import TierChain
+from kvtier.offload.swap import SwappedRequest
 from kvtier.storage import KVBlockStorage
 
 _HOOK_ATTR = "_kvtier_cache_hook"
@@ -394,12 +395,12 @@ class KvTierCache(Cache):
             and swapped.tail_key is not None
             and tiers.load_tail(swapped, cache._table.blocks[full])
         ):
-                cache._computed = n
-                for layer in cache.layers:
-                    assert isinstance(layer, _KvTierLayer)
-                    layer.length = n
-                cache.num_cached_tokens = n
-                cache.num_loaded_tokens += n - full * bs
+            cache._computed = n
+            for layer in cache.layers:
+                assert isinstance(layer, _KvTierLayer)
+                layer.length = n
+            cache.num_cached_tokens = n
+            cache.num_loaded_tokens += n - full * bs
         return cache
 
     def release(self) -> None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from kvtier.block_table import BlockTable
     from kvtier.hints import Hints
     from kvtier.manager import PrefixMatch
-    from kvtier.offload.chain import PendingLoad, SwappedRequest
+    from kvtier.offload.promote import PendingLoad
+    from kvtier.offload.swap import SwappedRequest
 
 #: Buckets of the time-to-first-token histogram, in seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
