@@ -12,7 +12,7 @@ model) answers question B over the same document; its time to first token
 * no cache: the fresh model computes the whole prompt;
 * ``LlamaDiskCache``: llama-cpp-python's own disk cache (diskcache, pickled
   states);
-* kvtier disk: :class:`kvtier.integrations.llama_cpp.KvtierLlamaCache` on a
+* kvtier disk: :class:`kvtier.integrations.llama_cpp.KvTierLlamaCache` on a
   ``disk:`` tier, as ``for_model`` makes it (the model keeps no per-token
   logits, so none are stored);
 * kvtier disk, logits kept: the same, storing the logits as
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from llama_cpp.llama_cache import LlamaDiskCache
 
     from kvtier.engine.model import default_model_file
-    from kvtier.integrations.llama_cpp import KvtierLlamaCache
+    from kvtier.integrations.llama_cpp import KvTierLlamaCache
 
     model = str(default_model_file())
     n_ctx = 2048
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "llama-cpp-python LlamaDiskCache":
             return LlamaDiskCache(cache_dir=str(root))
         logits = kind.endswith("logits kept")
-        return KvtierLlamaCache.for_model(llm, f"disk:{root}", logits=logits)
+        return KvTierLlamaCache.for_model(llm, f"disk:{root}", logits=logits)
 
     kinds = ["none", "llama-cpp-python LlamaDiskCache", "kvtier disk",
              "kvtier disk, logits kept"]

@@ -218,7 +218,7 @@ def make_rig(layout: KVLayout, n: int, model_id: str) -> Rig:
     return Rig(layout, n, storage, manager, list(range(n)), list(range(n, 2 * n)))
 
 
-class KvtierPath:
+class KvTierPath:
     """One tier (kind + codec) in a chain of its own, kept across repeats."""
 
     def __init__(self, rig: Rig, kind: str, codec: str, root: Path, redis_url: str | None) -> None:
@@ -393,13 +393,13 @@ def throughput(
         if value is not None:
             samples.setdefault(key, []).append(value)
 
-    paths: dict[tuple[str, str], KvtierPath] = {}
+    paths: dict[tuple[str, str], KvTierPath] = {}
     ceilings: dict[str, Ceiling] = {}
     try:
         for kind in kinds:
             ceilings[kind] = Ceiling(rig, kind, root, redis_url)
             for codec in codecs:
-                paths[(kind, codec)] = KvtierPath(rig, kind, codec, root, redis_url)
+                paths[(kind, codec)] = KvTierPath(rig, kind, codec, root, redis_url)
         # Warm runs first, then the disk's cold reads: their fsyncs and deletions
         # of synced files would otherwise slow the page-cache writes that follow.
         phases = [(kind, False) for kind in kinds]

@@ -25,7 +25,7 @@ config() {  # $1: none | fs | kvtier
   local tiers="[]"
   case $1 in
     fs) tiers="[{\"type\": \"fs\", \"root_dir\": \"$DISK_DIR/fs\"}]" ;;
-    kvtier) tiers="[{\"type\": \"KvtierSecondaryTier\",
+    kvtier) tiers="[{\"type\": \"KvTierSecondaryTier\",
       \"module_path\": \"kvtier.integrations.vllm.tiering\",
       \"url\": \"disk:$DISK_DIR/kvtier?size=200GiB&policy=s3fifo\"}]" ;;
   esac

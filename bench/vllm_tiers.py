@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="kvtier-vllm-tiers-", dir=args.dir))
     def kvtier(sub: str, chunks: int, policy: str) -> list[dict[str, Any]]:
         return [{
-            "type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm.tiering",
+            "type": "KvTierSecondaryTier", "module_path": "kvtier.integrations.vllm.tiering",
             "url": f"disk:{base / sub}?size={chunks * blob}&policy={policy}", "workers": 8,
         }]
 

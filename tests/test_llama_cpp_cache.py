@@ -35,7 +35,7 @@ from kvtier.engine.model import default_model_file  # noqa: E402
 from kvtier.errors import CorruptBlockError  # noqa: E402
 from kvtier.integrations.errors import UnsupportedReleaseError  # noqa: E402
 from kvtier.integrations.llama_cpp import (  # noqa: E402
-    KvtierLlamaCache,
+    KvTierLlamaCache,
     model_identity,
     pack_state,
     require_llama_cpp,
@@ -81,7 +81,7 @@ def test_a_new_process_loads_the_state_an_earlier_one_saved(
 ) -> None:
     url = f"disk:{tmp_path}?policy=lru"
     first = make_llama()
-    cache = KvtierLlamaCache.for_model(first, url)
+    cache = KvTierLlamaCache.for_model(first, url)
     first.set_cache(cache)
     assert complete(first, FIRST) == plain[FIRST]
     assert cache.misses == 1 and cache.saves == 1
@@ -90,7 +90,7 @@ def test_a_new_process_loads_the_state_an_earlier_one_saved(
 
     # A fresh context on the same directory: the system prompt's blocks match.
     second = make_llama()
-    again = KvtierLlamaCache.for_model(second, url)
+    again = KvTierLlamaCache.for_model(second, url)
     second.set_cache(again)
     assert again.cache_size == 0
     assert complete(second, SECOND) == plain[SECOND]
@@ -102,10 +102,10 @@ def test_a_new_process_loads_the_state_an_earlier_one_saved(
 def test_the_state_is_loaded_into_the_context(tmp_path: Path) -> None:
     url = f"disk:{tmp_path}"
     first = make_llama()
-    first.set_cache(KvtierLlamaCache.for_model(first, url))
+    first.set_cache(KvTierLlamaCache.for_model(first, url))
     complete(first, FIRST)
     second = make_llama()
-    cache = KvtierLlamaCache.for_model(second, url)
+    cache = KvTierLlamaCache.for_model(second, url)
     prompt = second.tokenize(SECOND.encode())
     state = cache[prompt]
     shared = 0
@@ -123,7 +123,7 @@ def test_logits_are_stored_only_when_the_model_keeps_them(tmp_path: Path) -> Non
     sizes = {}
     for logits_all in (False, True):
         llm = make_llama(logits_all=logits_all)
-        cache = KvtierLlamaCache.for_model(llm, f"disk:{tmp_path / str(logits_all)}")
+        cache = KvTierLlamaCache.for_model(llm, f"disk:{tmp_path / str(logits_all)}")
         assert cache.logits is logits_all
         llm.set_cache(cache)
         complete(llm, FIRST)
@@ -138,7 +138,7 @@ def test_a_damaged_state_is_a_miss_and_the_answer_is_unchanged(
 ) -> None:
     url = f"disk:{tmp_path}"
     first = make_llama()
-    first.set_cache(KvtierLlamaCache.for_model(first, url))
+    first.set_cache(KvTierLlamaCache.for_model(first, url))
     complete(first, FIRST)
     (path,) = state_files(tmp_path)
     blob = bytearray(path.read_bytes())
@@ -151,7 +151,7 @@ def test_a_damaged_state_is_a_miss_and_the_answer_is_unchanged(
         path.unlink()
 
     second = make_llama()
-    cache = KvtierLlamaCache.for_model(second, url)
+    cache = KvTierLlamaCache.for_model(second, url)
     second.set_cache(cache)
     assert complete(second, SECOND) == plain[SECOND]
     assert cache.hits == 0 and cache.misses == 1
@@ -166,18 +166,18 @@ def test_a_damaged_state_is_a_miss_and_the_answer_is_unchanged(
 def test_another_model_or_context_never_shares_states(tmp_path: Path) -> None:
     url = f"disk:{tmp_path}"
     first = make_llama()
-    first.set_cache(KvtierLlamaCache.for_model(first, url))
+    first.set_cache(KvTierLlamaCache.for_model(first, url))
     complete(first, FIRST)
     other = llama_cpp.Llama(model_path=MODEL, n_ctx=256, n_threads=2, seed=0, verbose=False)
     assert model_identity(other) != model_identity(first)
-    cache = KvtierLlamaCache.for_model(other, url)
+    cache = KvTierLlamaCache.for_model(other, url)
     with pytest.raises(KeyError):
         cache[other.tokenize(SECOND.encode())]
 
 
 def test_a_prompt_shorter_than_a_block_is_neither_saved_nor_found(tmp_path: Path) -> None:
     llm = make_llama()
-    cache = KvtierLlamaCache.for_model(llm, f"disk:{tmp_path}")
+    cache = KvTierLlamaCache.for_model(llm, f"disk:{tmp_path}")
     llm.set_cache(cache)
     complete(llm, "Hi")  # prompt and answer under 16 tokens
     assert cache.saves == 0 and not state_files(tmp_path)
@@ -186,7 +186,7 @@ def test_a_prompt_shorter_than_a_block_is_neither_saved_nor_found(tmp_path: Path
 
 def test_max_states_bounds_the_tier(tmp_path: Path) -> None:
     llm = make_llama()
-    cache = KvtierLlamaCache.for_model(llm, f"disk:{tmp_path}", max_states=2)
+    cache = KvTierLlamaCache.for_model(llm, f"disk:{tmp_path}", max_states=2)
     llm.set_cache(cache)
     for i in range(4):
         llm.reset()
@@ -245,10 +245,10 @@ def test_untested_releases_are_refused_with_what_to_install(
 _CHILD = """
 import json, sys, llama_cpp
 from kvtier.engine.model import default_model_file
-from kvtier.integrations.llama_cpp import KvtierLlamaCache
+from kvtier.integrations.llama_cpp import KvTierLlamaCache
 llm = llama_cpp.Llama(model_path=str(default_model_file()), n_ctx=512, n_threads=2, seed=0,
                       verbose=False)
-cache = KvtierLlamaCache.for_model(llm, sys.argv[1])
+cache = KvTierLlamaCache.for_model(llm, sys.argv[1])
 llm.set_cache(cache)
 out = llm.create_completion(sys.argv[2], max_tokens=8, temperature=0.0)
 print(json.dumps({"text": out["choices"][0]["text"], "hits": cache.hits,

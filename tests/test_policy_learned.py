@@ -22,6 +22,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_policies import PolicyMachine, _key
 
 from kvtier import ConfigError, KVCacheManager, OutOfBlocksError, OversizeError, make_policy
 from kvtier.engine import KvTierCache
@@ -76,7 +77,9 @@ class LearnedMachine(RuleBasedStateMachine):
             self.ref[k] += 1
 
     @rule(
-        conv=st.integers(0, 5), grow=st.integers(0, 3), branch=st.booleans(),
+        conv=st.integers(0, 5),
+        grow=st.integers(0, 3),
+        branch=st.booleans(),
         dt=st.sampled_from([0.0, 0.3, 1.0, 7.0, 40.0, 300.0]),
     )
     def request(self, conv: int, grow: int, branch: bool, dt: float) -> None:
@@ -182,6 +185,82 @@ class LearnedMachine(RuleBasedStateMachine):
 
 TestLearnedMachine = LearnedMachine.TestCase
 TestLearnedMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+class LearnedContractMachine(PolicyMachine):
+    """The protocol's bookkeeping contract, with requests announced between the calls.
+
+    The generic harness drives every transition (insert, insert_many, access,
+    pin/unpin, remove, evict, evict_many, oversize refusals) and checks the
+    resident set, the pins, ``used <= capacity`` and ``evict_for`` (room made
+    whenever the unpinned keys allow, nothing changed when they do not)
+    against its model, under unit sizes or a byte budget with random sizes.
+    Here a request rule adds what a real owner does around ``on_request``:
+    chains that grow, branch and come back after gaps of every age bin, their
+    cached prefix pinned and used, their missing keys inserted pinned after
+    ``evict_for`` made room for each. The history is tiny, so chains are
+    forgotten while their keys are still resident.
+    """
+
+    policy_name = "learned-reuse"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.learned = LearnedReusePolicy(history=1, min_history=12, refresh=2)
+        self.p = self.learned
+        self.convs: list[list[int]] = []
+        self.now = 0.0
+
+    @rule(
+        conv=st.integers(0, 4),
+        grow=st.integers(0, 3),
+        branch=st.booleans(),
+        dt=st.sampled_from([0.0, 0.3, 2.0, 40.0, 900.0]),
+        picks=st.lists(st.integers(1, 1000), min_size=3, max_size=3),
+    )
+    def request(self, conv: int, grow: int, branch: bool, dt: float, picks: list[int]) -> None:
+        self.now += dt
+        known = conv < len(self.convs)
+        chain = list(self.convs[conv]) if known else []
+        if branch and len(chain) > 1:
+            chain = chain[: len(chain) // 2]
+        for _ in range(grow):
+            self.n += 1
+            chain.append(_key(self.n))
+        if not chain:
+            return
+        if known:
+            self.convs[conv] = chain
+        else:
+            self.convs.append(chain)
+        hit = 0
+        while hit < len(chain) and chain[hit] in self.size:
+            hit += 1
+        self.learned.on_request(chain, hit, self.now, None)
+        hits = chain[:hit]
+        first = [k for k in hits if k in self.evictable]
+        self.p.pin_many(first)
+        self.p.access_many(hits)
+        self.evictable.difference_update(first)
+        self.pinned.update(first)
+        for i, key in enumerate(chain[hit:]):
+            if key in self.size:
+                continue
+            size = 1 + picks[i % len(picks)] % self.max_size
+            if not self._make_room(size):
+                break  # a chain cached past a missing block is useless
+            self.p.insert(key, True, size)
+            self.pinned.add(key)
+            self.size[key] = size
+
+    @invariant()
+    def history_is_bounded(self) -> None:
+        p = self.learned
+        assert p.history_chains[1] <= 2 * p.history_limit + len(p) + 8
+
+
+TestLearnedContract = LearnedContractMachine.TestCase
+TestLearnedContract.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 # -- the pieces ------------------------------------------------------------------------------
@@ -508,6 +587,27 @@ def test_replay_drives_it_deterministically_and_ahead_of_lru() -> None:
     assert a.prefix_hit_ratio > lru.prefix_hit_ratio
 
 
+def test_no_block_stays_cached_below_an_evicted_parent() -> None:
+    """After every request of a replay, each chain's cached blocks form a prefix of it."""
+    trace = load_sample_trace()
+    bs = trace.block_size
+    mgr = KVCacheManager(trace.unique_blocks // 20, bs, policy="learned-reuse")
+    seen: list[list[int]] = []
+    for rid, req in enumerate(trace.requests):
+        keys = req.full_keys(bs)
+        try:
+            mgr.allocate(rid, range(req.input_length), block_keys=keys)
+        except OutOfBlocksError:
+            continue
+        mgr.free(rid)
+        seen.append(keys)
+        if rid % 25 == 0:
+            for chain in seen[-60:]:
+                held = [mgr.pool.cached_block(k) is not None for k in chain]
+                assert held == sorted(held, reverse=True), "a block is cached below a gap"
+    mgr.check()
+
+
 def test_vllm_resolves_the_policy_by_name() -> None:
     pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -515,7 +615,7 @@ def test_vllm_resolves_the_policy_by_name() -> None:
 
     from kvtier.integrations.vllm import cache_policy as cp
 
-    assert getattr(cp, "kvtier:learned-reuse") is cp.KvtierLearnedReuseCachePolicy
+    assert getattr(cp, "kvtier:learned-reuse") is cp.KvTierLearnedReuseCachePolicy
     m = CPUOffloadingManager(
         3, cache_policy="kvtier:learned-reuse", cache_policy_module_path=cp.MODULE_PATH
     )

@@ -93,7 +93,7 @@ def pool() -> Any:
 
 def test_sglangs_factory_builds_the_backend(tmp_path: Path, pool: Any) -> None:
     store = backend(f"disk:{tmp_path}?size=1MiB", pool)
-    assert isinstance(store, HiCacheStorage) and isinstance(store, kst.KvtierHiCacheStorage)
+    assert isinstance(store, HiCacheStorage) and isinstance(store, kst.KvTierHiCacheStorage)
     assert store.interface_v1
     assert store.namespace.startswith("sglang-org-model-tp0of2-")
     assert store.tier is not None and store.tier.capacity == (1 << 20) // store.pages.blob_size

@@ -1,4 +1,4 @@
-"""kvtier policies inside vLLM 0.33's real CPUOffloadingManager (KvtierCachePolicy)."""
+"""kvtier policies inside vLLM 0.33's real CPUOffloadingManager (KvTierCachePolicy)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Driver:
             cache_policy_module_path=cp.MODULE_PATH,
             enable_events=True,
         )
-        self.policy: cp.KvtierCachePolicy = self.m._policy
+        self.policy: cp.KvTierCachePolicy = self.m._policy
         self.capacity = capacity
         self._n = 0
 
@@ -346,7 +346,7 @@ def test_reset_cache_clears_the_policy() -> None:
 @pytest.mark.parametrize("policy", SHIPPED)
 def test_policy_classes_by_name(policy: str) -> None:
     cls = getattr(cp, f"kvtier:{policy}")
-    assert issubclass(cls, cp.KvtierCachePolicy) and cls.kvtier_policy == policy
+    assert issubclass(cls, cp.KvTierCachePolicy) and cls.kvtier_policy == policy
     assert cp.cache_policy_class(policy) is cls
     with_filter = getattr(cp, f"kvtier:{policy}+tinylfu")
     assert with_filter.kvtier_admission == "tinylfu"
@@ -365,9 +365,9 @@ def test_policy_by_import_path() -> None:
 
 def test_explicit_classes_load_by_module_path() -> None:
     m = CPUOffloadingManager(
-        4, cache_policy="KvtierS3FIFOCachePolicy", cache_policy_module_path=cp.MODULE_PATH
+        4, cache_policy="KvTierS3FIFOCachePolicy", cache_policy_module_path=cp.MODULE_PATH
     )
-    assert isinstance(m._policy, cp.KvtierS3FIFOCachePolicy)
+    assert isinstance(m._policy, cp.KvTierS3FIFOCachePolicy)
     assert m._policy.policy.name == "s3fifo"
 
 
@@ -412,7 +412,7 @@ def test_spec_reads_the_kvtier_policy_from_extra_config() -> None:
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     extra = {
-        "spec_name": "KvtierOffloadingSpec",
+        "spec_name": "KvTierOffloadingSpec",
         "spec_module_path": "kvtier.integrations.vllm.spec",
         "cpu_bytes_to_use": 10 * 4096,
         "kvtier_policy": "s3fifo",
@@ -422,7 +422,7 @@ def test_spec_reads_the_kvtier_policy_from_extra_config() -> None:
     assert spec.num_chunks == 10
     manager = spec.get_manager()
     assert isinstance(manager, CPUOffloadingManager)
-    assert isinstance(manager._policy, cp.KvtierCachePolicy)
+    assert isinstance(manager._policy, cp.KvTierCachePolicy)
     assert manager._policy.policy.name == "s3fifo+tinylfu"
     assert manager.events is not None  # KV events follow vLLM's setting
 
@@ -445,7 +445,7 @@ def test_spec_rejects_unknown_policy() -> None:
     from kvtier import ConfigError
 
     extra = {
-        "spec_name": "KvtierOffloadingSpec",
+        "spec_name": "KvTierOffloadingSpec",
         "spec_module_path": "kvtier.integrations.vllm.spec",
         "cpu_bytes_to_use": 4096,
         "kvtier_policy": "nope",

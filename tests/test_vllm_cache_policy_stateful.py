@@ -1,10 +1,10 @@
-"""A model check of KvtierCachePolicy inside vLLM's real CPUOffloadingManager.
+"""A model check of KvTierCachePolicy inside vLLM's real CPUOffloadingManager.
 
 Random interleavings of lookups, loads, stores (some failing), request ends
 and cache resets on prefix-sharing chains. After every step: the capacity
 holds, no chunk being loaded or stored was evicted, vLLM's manager and a
 plain model agree on every chunk's state, and the kvtier policy's resident
-set is exactly the ready chunks (KvtierCachePolicy.check).
+set is exactly the ready chunks (KvTierCachePolicy.check).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class AdapterMachine(RuleBasedStateMachine):
             capacity, cache_policy=name, cache_policy_module_path=cp.MODULE_PATH,
             enable_events=True,
         )
-        self.p: cp.KvtierCachePolicy = self.m._policy
+        self.p: cp.KvTierCachePolicy = self.m._policy
         self.capacity = capacity
         # The model: key -> "pending" | "ready", and readers per ready key.
         self.state: dict[Any, str] = {}

@@ -34,7 +34,7 @@ ROWS, DIM = 6, 16
 def config(role: str, tier: str, model: str = "llava-tiny", **extra: Any) -> Any:
     """What ECConnectorBase reads of a VllmConfig: its real ECTransferConfig."""
     transfer = ECTransferConfig(
-        ec_connector="KvtierECConnector",
+        ec_connector="KvTierECConnector",
         ec_connector_module_path=ec.MODULE_PATH,
         ec_role=role,
         ec_connector_extra_config={"tiers": [tier], "model_id": model, **extra},
@@ -77,7 +77,7 @@ def produce(tier: str, mm_hash: str, out: torch.Tensor) -> Any:
 
 def test_vllm_loads_the_connector_by_module_path(tmp_path: Path) -> None:
     cfg = config("ec_both", f"disk:{tmp_path}?size=1MiB")
-    assert ECConnectorFactory.get_connector_class(cfg.ec_transfer_config) is ec.KvtierECConnector
+    assert ECConnectorFactory.get_connector_class(cfg.ec_transfer_config) is ec.KvTierECConnector
 
 
 def test_a_consumer_instance_loads_what_a_producer_saved(tmp_path: Path) -> None:

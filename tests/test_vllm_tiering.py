@@ -54,8 +54,8 @@ def disk(tmp_path: Path) -> Iterator[TieringDriver]:
 
 def test_vllm_loads_the_tier_by_module_path(disk: TieringDriver) -> None:
     (tier,) = disk.tiers
-    assert isinstance(tier, tiering.KvtierSecondaryTier)
-    assert tier.tier_type == "KvtierSecondaryTier"
+    assert isinstance(tier, tiering.KvTierSecondaryTier)
+    assert tier.tier_type == "KvTierSecondaryTier"
     assert tier.capacity == (1 << 20) // tier.pages.blob_size
     # vLLM's file-tier fields name the namespace: the model, then a digest.
     assert tier.namespace.startswith("vllm-m_") and tier.namespace.endswith("_r0")
@@ -75,7 +75,7 @@ def test_vllm_loads_the_tier_by_module_path(disk: TieringDriver) -> None:
     ],
 )
 def test_bad_settings_fail_at_startup(settings: dict[str, Any], match: str) -> None:
-    tier = {"type": "KvtierSecondaryTier", "module_path": tiering.MODULE_PATH, **settings}
+    tier = {"type": "KvTierSecondaryTier", "module_path": tiering.MODULE_PATH, **settings}
     with pytest.raises(ConfigError, match=match):
         TieringDriver([tier])
 
@@ -402,7 +402,7 @@ def test_the_documented_config_builds(tmp_path: Path) -> None:
     manager = spec.get_manager()
     try:
         (tier,) = manager.secondary_tiers
-        assert isinstance(tier, tiering.KvtierSecondaryTier)
+        assert isinstance(tier, tiering.KvTierSecondaryTier)
         assert tier.spec.policy == "s3fifo" and tier.spec.medium == "disk"
         assert tier.capacity == (200 << 30) // tier.pages.blob_size
     finally:

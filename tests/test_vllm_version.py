@@ -119,7 +119,7 @@ def test_package_imports_without_vllm() -> None:
         version.installed_vllm_version = lambda: None
         assert kv.detect_vllm().installed is False
         try:
-            kv.KvtierCachePolicy
+            kv.KvTierCachePolicy
         except kv.UnsupportedVllmError as exc:
             assert "vLLM is not installed" in str(exc), exc
         else:

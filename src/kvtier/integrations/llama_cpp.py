@@ -3,12 +3,12 @@
 ``llama_cpp.Llama`` saves its whole state (KV cache, token ids, logits)
 after each completion and, before the next, asks its cache for a state whose
 tokens share a prefix with the new prompt, loading it when that prefix is
-longer than what the context already holds. :class:`KvtierLlamaCache` keeps
+longer than what the context already holds. :class:`KvTierLlamaCache` keeps
 those states in a kvtier tier, so a prompt is reused across processes,
 restarts (a disk tier) and machines (Redis)::
 
     llm = llama_cpp.Llama(model_path="model.gguf", n_ctx=4096)
-    llm.set_cache(KvtierLlamaCache.for_model(llm, "disk:/var/cache/kvtier?size=20GiB"))
+    llm.set_cache(KvTierLlamaCache.for_model(llm, "disk:/var/cache/kvtier?size=20GiB"))
 
 Keys are kvtier's chained block keys (:class:`kvtier.keys.BlockHasher`,
 ``block_tokens`` tokens a block) of a state's tokens, in a namespace of what
@@ -163,7 +163,7 @@ def model_identity(llama: Any) -> str:
     )
 
 
-class KvtierLlamaCache(BaseLlamaCache):  # type: ignore[misc]
+class KvTierLlamaCache(BaseLlamaCache):  # type: ignore[misc]
     """llama-cpp-python's prompt cache in a kvtier tier (see the module docstring)."""
 
     def __init__(
@@ -201,7 +201,7 @@ class KvtierLlamaCache(BaseLlamaCache):  # type: ignore[misc]
         self.saves = 0
 
     @classmethod
-    def for_model(cls, llama: Any, tier: str, **kwargs: Any) -> KvtierLlamaCache:
+    def for_model(cls, llama: Any, tier: str, **kwargs: Any) -> KvTierLlamaCache:
         """A cache for ``llama``'s model and context (see :func:`model_identity`).
 
         Logits are stored only when ``llama`` was created with ``logits_all=True``.
@@ -307,7 +307,7 @@ class KvtierLlamaCache(BaseLlamaCache):  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """llama-cpp-python's server with a :class:`KvtierLlamaCache` on every model it loads."""
+    """llama-cpp-python's server with a :class:`KvTierLlamaCache` on every model it loads."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--tier" not in args or args.index("--tier") + 1 >= len(args):
         raise SystemExit("usage: python -m kvtier.integrations.llama_cpp --tier URL "
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def load_with_cache(settings: Any) -> Any:
         model = load(settings)
-        model.set_cache(KvtierLlamaCache.for_model(model, tier))
+        model.set_cache(KvTierLlamaCache.for_model(model, tier))
         return model
 
     LlamaProxy.load_llama_from_model_settings = staticmethod(load_with_cache)

@@ -1,12 +1,12 @@
 """kvtier inside SGLang: a storage backend for its hierarchical cache (HiCache L3).
 
-* :mod:`.storage`: :class:`KvtierHiCacheStorage`, a ``HiCacheStorage`` over
+* :mod:`.storage`: :class:`KvTierHiCacheStorage`, a ``HiCacheStorage`` over
   any kvtier medium (disk, Redis, Redis Cluster, host memory, plug-ins),
   loaded with ``--hicache-storage-backend dynamic``;
 * :mod:`.version`: the SGLang release it is tested against
   (:data:`TESTED_SGLANG`) and :func:`require_sglang`.
 
-Importing this package never imports SGLang; ``KvtierHiCacheStorage`` loads
+Importing this package never imports SGLang; ``KvTierHiCacheStorage`` loads
 on first use and raises :class:`UnsupportedReleaseError` when SGLang is
 missing or of another release. See docs/sglang.md.
 """
@@ -19,6 +19,6 @@ from kvtier.integrations.sglang.version import TESTED_SGLANG, require_sglang
 
 __all__ = ["TESTED_SGLANG", "UnsupportedReleaseError", "require_sglang"]
 
-_LAZY = {"KvtierHiCacheStorage": "kvtier.integrations.sglang.storage"}
+_LAZY = {"KvTierHiCacheStorage": "kvtier.integrations.sglang.storage"}
 
 __getattr__, __dir__ = lazy_exports("kvtier.integrations.sglang", globals(), _LAZY)

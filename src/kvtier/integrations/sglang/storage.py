@@ -2,14 +2,14 @@
 
 SGLang's HiCache keeps KV pages on the GPU (L1) and in a host pool (L2),
 and backs host pages up to a ``HiCacheStorage`` (L3), which it loads by
-module path. :class:`KvtierHiCacheStorage` is that storage over any kvtier
+module path. :class:`KvTierHiCacheStorage` is that storage over any kvtier
 medium, its size bounded by a kvtier policy::
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
       --hicache-storage-backend dynamic \\
       --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
         "module_path": "kvtier.integrations.sglang.storage",
-        "class_name": "KvtierHiCacheStorage", "interface_v1": 1,
+        "class_name": "KvTierHiCacheStorage", "interface_v1": 1,
         "tier": "disk:/var/cache/kvtier?size=200GiB&policy=s3fifo"}'
 
 ``tier`` is a kvtier tier URL (:meth:`kvtier.offload.TierSpec.from_url`):
@@ -67,7 +67,7 @@ log = logging.getLogger("kvtier.sglang")
 
 #: The module path and class name to give SGLang in the extra config.
 MODULE_PATH = __name__
-CLASS_NAME = "KvtierHiCacheStorage"
+CLASS_NAME = "KvTierHiCacheStorage"
 #: Extra-config keys SGLang itself reads (passed through, not ours to check).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: Extra-config keys this backend reads.
@@ -101,7 +101,7 @@ def storage_namespace(config: Any, page_format: dict[str, Any]) -> str:
     return f"sglang-{model[:64]}{tp}-{digest}"
 
 
-class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+class KvTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang's ``HiCacheStorage`` over a kvtier tier (see the module docstring)."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:

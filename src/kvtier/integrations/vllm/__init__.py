@@ -1,10 +1,10 @@
 """kvtier inside vLLM: eviction policies, the older manager API, and KV events.
 
-* :mod:`.cache_policy`: :class:`KvtierCachePolicy`, a ``CachePolicy`` for
+* :mod:`.cache_policy`: :class:`KvTierCachePolicy`, a ``CachePolicy`` for
   vLLM 0.33's ``CPUOffloadingManager`` that lets any kvtier policy choose the
   victims (``eviction_policy: "kvtier:s3fifo"``,
   ``cache_policy_module_path: "kvtier.integrations.vllm.cache_policy"``);
-* :mod:`.spec`: :class:`KvtierOffloadingSpec`, vLLM's CPU offloading spec
+* :mod:`.spec`: :class:`KvTierOffloadingSpec`, vLLM's CPU offloading spec
   reading ``kvtier_policy`` / ``kvtier_admission`` from
   ``kv_connector_extra_config``;
 * :mod:`.legacy`: :class:`LegacyOffloadingManager`, kvtier's offloading
@@ -14,7 +14,7 @@
 * :mod:`.version`: :func:`detect_vllm` / :func:`require_vllm`.
 
 Importing this package never imports vLLM. The names that need it
-(``KvtierCachePolicy``, ``cache_policy_class``, ``KvtierOffloadingSpec``) load
+(``KvTierCachePolicy``, ``cache_policy_class``, ``KvTierOffloadingSpec``) load
 on first use and raise :class:`UnsupportedVllmError` when vLLM is missing or
 of a version without an adapter; ``KvEventPublisher`` needs pyzmq and msgspec
 only. See docs/vllm.md.
@@ -57,9 +57,9 @@ __all__ = [
 #: Names whose modules import vLLM (or pyzmq and msgspec), loaded when first used
 #: (kept out of ``__all__``, like kvtier's other lazy names).
 _LAZY = {
-    "KvtierCachePolicy": "kvtier.integrations.vllm.cache_policy",
+    "KvTierCachePolicy": "kvtier.integrations.vllm.cache_policy",
     "cache_policy_class": "kvtier.integrations.vllm.cache_policy",
-    "KvtierOffloadingSpec": "kvtier.integrations.vllm.spec",
+    "KvTierOffloadingSpec": "kvtier.integrations.vllm.spec",
     "KvEventPublisher": "kvtier.integrations.vllm.events",
 }
 

@@ -3,16 +3,16 @@
 vLLM 0.33's ``CPUOffloadingManager`` owns the CPU chunk pool, reference
 counts, events and the two-phase store/load protocol; it asks a
 ``CachePolicy`` to keep its chunks and to choose victims. This module's
-:class:`KvtierCachePolicy` keeps the chunks and hands every ordering decision
+:class:`KvTierCachePolicy` keeps the chunks and hands every ordering decision
 to a kvtier policy (:func:`kvtier.policy.make_policy`), so any kvtier policy,
 with or without an admission filter, runs inside vLLM unchanged.
 
 vLLM loads a policy class by name from a module path, constructing it with
 ``cache_capacity`` only, so the kvtier policy is fixed by the class:
 
-* one class per shipped policy: ``KvtierLRUCachePolicy``,
-  ``KvtierARCCachePolicy``, ``KvtierS3FIFOCachePolicy``, ...,
-  ``KvtierLearnedReuseCachePolicy``;
+* one class per shipped policy: ``KvTierLRUCachePolicy``,
+  ``KvTierARCCachePolicy``, ``KvTierS3FIFOCachePolicy``, ...,
+  ``KvTierLearnedReuseCachePolicy``;
 * any registered policy (yours too) and admission by name:
   ``"kvtier:<policy>"`` or ``"kvtier:<policy>+<admission>"``, served by this
   module's ``__getattr__`` (``getattr(module, "kvtier:s3fifo+tinylfu")``).
@@ -85,7 +85,7 @@ def offload_key_id(key: bytes) -> int:
     return int.from_bytes(key, "big") | (1 << (len(key) << 3))
 
 
-class KvtierCachePolicy(CachePolicy):  # type: ignore[misc]
+class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
     """vLLM's ``CachePolicy`` with victims chosen by a kvtier policy (see the module docs).
 
     ``policy``, ``admission`` and ``options`` (keyword arguments for the
@@ -422,55 +422,55 @@ class KvtierCachePolicy(CachePolicy):  # type: ignore[misc]
 # -- one class per policy, for cache_policy_module_path ------------------------------------
 
 
-class KvtierLRUCachePolicy(KvtierCachePolicy):
+class KvTierLRUCachePolicy(KvTierCachePolicy):
     """kvtier's LRU inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "lru"
 
 
-class KvtierLFUCachePolicy(KvtierCachePolicy):
+class KvTierLFUCachePolicy(KvTierCachePolicy):
     """kvtier's LFU (with aging) inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "lfu"
 
 
-class KvtierFIFOCachePolicy(KvtierCachePolicy):
+class KvTierFIFOCachePolicy(KvTierCachePolicy):
     """kvtier's FIFO inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "fifo"
 
 
-class KvtierARCCachePolicy(KvtierCachePolicy):
+class KvTierARCCachePolicy(KvTierCachePolicy):
     """kvtier's ARC inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "arc"
 
 
-class KvtierS3FIFOCachePolicy(KvtierCachePolicy):
+class KvTierS3FIFOCachePolicy(KvTierCachePolicy):
     """kvtier's S3-FIFO inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "s3fifo"
 
 
-class KvtierSIEVECachePolicy(KvtierCachePolicy):
+class KvTierSIEVECachePolicy(KvTierCachePolicy):
     """kvtier's SIEVE inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "sieve"
 
 
-class KvtierGDSFCachePolicy(KvtierCachePolicy):
+class KvTierGDSFCachePolicy(KvTierCachePolicy):
     """kvtier's GDSF (unit sizes and costs) inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "gdsf"
 
 
-class KvtierHybridCachePolicy(KvtierCachePolicy):
+class KvTierHybridCachePolicy(KvTierCachePolicy):
     """kvtier's recency/frequency/size hybrid inside vLLM's CPU offloading manager."""
 
     kvtier_policy = "hybrid"
 
 
-class KvtierLearnedReuseCachePolicy(KvtierCachePolicy):
+class KvTierLearnedReuseCachePolicy(KvTierCachePolicy):
     """kvtier's learned-reuse policy inside vLLM's CPU offloading manager.
 
     vLLM's ``CachePolicy`` hears of no request before its chunks are stored,
@@ -481,18 +481,18 @@ class KvtierLearnedReuseCachePolicy(KvtierCachePolicy):
     kvtier_policy = "learned-reuse"
 
 
-_CLASSES: dict[str, type[KvtierCachePolicy]] = {
+_CLASSES: dict[str, type[KvTierCachePolicy]] = {
     cls.kvtier_policy: cls
     for cls in (
-        KvtierLRUCachePolicy,
-        KvtierLFUCachePolicy,
-        KvtierFIFOCachePolicy,
-        KvtierARCCachePolicy,
-        KvtierS3FIFOCachePolicy,
-        KvtierSIEVECachePolicy,
-        KvtierGDSFCachePolicy,
-        KvtierHybridCachePolicy,
-        KvtierLearnedReuseCachePolicy,
+        KvTierLRUCachePolicy,
+        KvTierLFUCachePolicy,
+        KvTierFIFOCachePolicy,
+        KvTierARCCachePolicy,
+        KvTierS3FIFOCachePolicy,
+        KvTierSIEVECachePolicy,
+        KvTierGDSFCachePolicy,
+        KvTierHybridCachePolicy,
+        KvTierLearnedReuseCachePolicy,
     )
 }
 
@@ -503,7 +503,7 @@ def policy_class_name(policy: str, admission: str | None = None) -> str:
     return f"{name}+{admission}" if admission not in (None, "none") else name
 
 
-def cache_policy_class(policy: str, admission: str | None = None) -> type[KvtierCachePolicy]:
+def cache_policy_class(policy: str, admission: str | None = None) -> type[KvTierCachePolicy]:
     """A ``CachePolicy`` class running kvtier's ``policy`` (validated now)."""
     if admission == "none":
         admission = None
@@ -517,7 +517,7 @@ def cache_policy_class(policy: str, admission: str | None = None) -> type[Kvtier
         make_policy(policy, **kwargs)
         cls = type(
             name,
-            (KvtierCachePolicy,),
+            (KvTierCachePolicy,),
             {
                 "kvtier_policy": policy,
                 "kvtier_admission": admission,
@@ -530,10 +530,10 @@ def cache_policy_class(policy: str, admission: str | None = None) -> type[Kvtier
     return cls
 
 
-_DYNAMIC: dict[str, type[KvtierCachePolicy]] = {}
+_DYNAMIC: dict[str, type[KvTierCachePolicy]] = {}
 
 
-def __getattr__(name: str) -> type[KvtierCachePolicy]:
+def __getattr__(name: str) -> type[KvTierCachePolicy]:
     """Serve ``kvtier:<policy>[+<admission>]`` to vLLM's ``getattr(module, name)``."""
     if not name.startswith(NAME_PREFIX):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

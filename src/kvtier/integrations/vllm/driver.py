@@ -85,7 +85,7 @@ def offload_key(name: str | int) -> Any:
 
 def kvtier_tier(url: str, **settings: Any) -> dict[str, Any]:
     """A ``secondary_tiers`` entry for kvtier's tier over the tier URL ``url``."""
-    return {"type": "KvtierSecondaryTier", "module_path": TIER_MODULE, "url": url, **settings}
+    return {"type": "KvTierSecondaryTier", "module_path": TIER_MODULE, "url": url, **settings}
 
 
 class SchedulerDriver:

@@ -15,7 +15,7 @@ Redis.
 
 Configure it with ``--ec-transfer-config``::
 
-    {"ec_connector": "KvtierECConnector",
+    {"ec_connector": "KvTierECConnector",
      "ec_connector_module_path": "kvtier.integrations.vllm.ec_connector",
      "ec_role": "ec_both",
      "ec_connector_extra_config": {
@@ -58,7 +58,7 @@ DEFAULT_MEMORY_BYTES = 256 * 2**20
 
 
 @dataclass
-class KvtierECMetadata(ECConnectorMetadata):  # type: ignore[misc]
+class KvTierECMetadata(ECConnectorMetadata):  # type: ignore[misc]
     """What the scheduler tells the workers to load this step: ``mm_hash`` -> embeddings."""
 
     loads: dict[str, int] = field(default_factory=dict)
@@ -70,7 +70,7 @@ def _model_id(vllm_config: Any) -> str:
     return str(name) if name else ""
 
 
-class KvtierECConnector(ECConnectorBase):  # type: ignore[misc]
+class KvTierECConnector(ECConnectorBase):  # type: ignore[misc]
     """Encoder outputs shared through kvtier's tiers (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any) -> None:
@@ -79,7 +79,7 @@ class KvtierECConnector(ECConnectorBase):  # type: ignore[misc]
         model_id = str(extra.get("model_id") or _model_id(vllm_config))
         if not model_id:
             raise ConfigError(
-                "KvtierECConnector needs the model's id: set model_id in "
+                "KvTierECConnector needs the model's id: set model_id in "
                 "ec_connector_extra_config"
             )
         tiers = extra.get("tiers", [])
@@ -120,8 +120,8 @@ class KvtierECConnector(ECConnectorBase):  # type: ignore[misc]
         if self.is_consumer and self.has_cache_item(mm_hash):
             self._pending[mm_hash] = int(request.get_num_encoder_embeds(index))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierECMetadata:
-        meta = KvtierECMetadata(dict(self._pending))
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvTierECMetadata:
+        meta = KvTierECMetadata(dict(self._pending))
         self._pending.clear()
         return meta
 
@@ -133,7 +133,7 @@ class KvtierECConnector(ECConnectorBase):  # type: ignore[misc]
         time, never correctness.
         """
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvtierECMetadata):
+        if not isinstance(meta, KvTierECMetadata):
             return
         for mm_hash in meta.loads:
             if mm_hash in encoder_cache:
@@ -166,4 +166,4 @@ class KvtierECConnector(ECConnectorBase):  # type: ignore[misc]
         return torch.device(device) if device is not None else torch.device("cpu")
 
 
-__all__ = ["MODULE_PATH", "KvtierECConnector", "KvtierECMetadata"]
+__all__ = ["MODULE_PATH", "KvTierECConnector", "KvTierECMetadata"]

@@ -2,7 +2,7 @@
 
 vLLM 0.33's ``CPUOffloadingSpec`` reads ``eviction_policy`` and
 ``cache_policy_module_path`` from ``kv_connector_extra_config`` and never
-passes the rest of that dict to the policy. :class:`KvtierOffloadingSpec`
+passes the rest of that dict to the policy. :class:`KvTierOffloadingSpec`
 is that spec, reading two more keys and pointing vLLM at
 :mod:`kvtier.integrations.vllm.cache_policy`:
 
@@ -10,7 +10,7 @@ is that spec, reading two more keys and pointing vLLM at
   or import path; default ``lru``;
 * ``kvtier_admission``: an admission filter (``tinylfu``), or absent.
 
-Select it with ``"spec_name": "KvtierOffloadingSpec"`` and
+Select it with ``"spec_name": "KvTierOffloadingSpec"`` and
 ``"spec_module_path": "kvtier.integrations.vllm.spec"``; every other key
 (``cpu_bytes_to_use``, ``block_size``, ``store_threshold``, ...) means what it
 means to ``CPUOffloadingSpec``. Importing this module needs vLLM 0.33.
@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 EXTRA_CONFIG_KEYS: dict[str, Any] = {"kvtier_policy": "lru", "kvtier_admission": None}
 
 
-class KvtierOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+class KvTierOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """``CPUOffloadingSpec`` whose cache policy is the kvtier policy the config names."""
 
     def __init__(self, config: Any) -> None:

@@ -9,7 +9,7 @@ vLLM changed its offloading interface twice over the releases kvtier knows:
   installed vLLM of that age.
 * **0.33**: ``CPUOffloadingManager`` with a pluggable ``CachePolicy`` (offload
   keys, request contexts, ``LookupResult``). kvtier's
-  :class:`~kvtier.integrations.vllm.cache_policy.KvtierCachePolicy` plugs into
+  :class:`~kvtier.integrations.vllm.cache_policy.KvTierCachePolicy` plugs into
   it and is tested against the installed vLLM 0.33.0.
 
 Other versions are refused with :class:`UnsupportedVllmError`, whose message
