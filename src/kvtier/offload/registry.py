@@ -15,8 +15,9 @@ class and its registration line::
 
 The built-in media: ``device`` (compressed blocks in the device's memory),
 ``host`` (memory), ``disk`` (a directory),
-``redis`` (a server: ``redis://``, ``rediss://``, ``unix://``) and
-``redis+cluster`` (a Redis Cluster).
+``redis`` (a server: ``redis://``, ``rediss://``, ``unix://``),
+``redis+cluster`` (a Redis Cluster) and ``mooncake`` (a Mooncake Store pool:
+``mooncake://MASTER_HOST:PORT``).
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ def _builtins() -> None:
     if _loaded:
         return
     _loaded = True
+    from kvtier.offload.mooncake_store import make_mooncake_store, probe_mooncake
+
     for name, entry in (
         ("host", _Entry(_host, None, ())),
         ("device", _Entry(_device, None, ())),
@@ -232,6 +235,7 @@ def _builtins() -> None:
             "redis+cluster",
             _Entry(lambda loc, opts: _redis_store(loc, opts, True), _redis_probe(True), ()),
         ),
+        ("mooncake", _Entry(make_mooncake_store, probe_mooncake, ())),
     ):
         if name not in _MEDIA:  # a plugin registered first keeps its override
             _MEDIA[name] = entry
