@@ -337,12 +337,12 @@ _CHAT_ERRORS: list[tuple[str, dict[str, Any], str | None, str | None]] = [
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs", None),
     ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     (
-        "tools required",
+        "tool_choice names no tool",
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-            "tool_choice": "required",
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
         },
-        "tools",
+        "tool_choice.function.name",
         None,
     ),
     ("json mode", {"response_format": {"type": "json_object"}}, "response_format", None),
@@ -357,7 +357,7 @@ _CHAT_ERRORS: list[tuple[str, dict[str, Any], str | None, str | None]] = [
     (
         "tool message",
         {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
-        "messages[0].role",
+        "messages[0].tool_call_id",
         None,
     ),
     ("temperature 5", {"temperature": 5}, "temperature", None),

@@ -446,8 +446,6 @@ def test_penalties_bias_and_seed_reach_the_engine(server: Server) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"modalities": ["text", "audio"]}, "modalities"),

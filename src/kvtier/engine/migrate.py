@@ -54,7 +54,7 @@ from kvtier.errors import (
     MigrationError,
     OutOfBlocksError,
 )
-from kvtier.offload.chain import SwappedRequest
+from kvtier.offload.swap import SwappedRequest
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
@@ -124,7 +124,9 @@ class Departure:
 
 
 def _params_json(p: SamplingParams) -> dict[str, Any]:
-    out = dataclasses.asdict(p)
+    # A decoding constraint (a compiled grammar) lives in this process only; a
+    # constrained request never moves (see _find).
+    out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "constraint"}
     out["stop"] = list(p.stop)
     out["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
     return out
@@ -157,6 +159,8 @@ def _find(engine: Engine, request_id: str) -> Seq:
         # Its images' features live in this process; the destination would
         # recompute placeholder tokens without them.
         raise MigrationError(f"request {request_id!r} carries images; it cannot move")
+    if seq.params.constraint is not None:
+        raise MigrationError(f"request {request_id!r} decodes under a grammar; it cannot move")
     if not engine.queues.is_running(seq) and not engine.queues.is_waiting(seq):
         raise MigrationError(f"request {request_id!r} is already moving")
     return seq

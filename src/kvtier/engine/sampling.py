@@ -9,13 +9,21 @@ temperature (0 is greedy) and nucleus (``top_p``) sampling. Log
 probabilities, when asked for, are those of the model's own distribution
 (``log_softmax`` of the raw logits, before bias, penalties and temperature),
 as vLLM reports them by default.
+
+A request may also carry a :class:`TokenConstraint` factory
+(``SamplingParams.constraint``): each sampler builds its own constraint,
+which masks the processed logits before the token is picked (so only tokens
+a grammar allows can be chosen) and is told every token picked. The engine
+knows nothing of grammars; the server supplies the constraint. A request
+without one samples exactly as before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,6 +61,31 @@ def _integer(value: object, name: str, low: int, high: int) -> int:
     return value
 
 
+class TokenConstraint(Protocol):
+    """Limits which tokens one sequence may pick next (a grammar, for instance).
+
+    One constraint follows one sequence: :meth:`mask` is called on each row
+    of logits before sampling, :meth:`accept` with each token picked.
+    """
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (``[vocab]``, float32, owned by the caller: may be changed in place)
+        with every token the constraint forbids next set to ``-inf``."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``, which :meth:`mask` allowed."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """Whether the constraint is complete and allows nothing more."""
+        ...
+
+
+#: Builds a fresh :class:`TokenConstraint` for each sequence of a request (its ``n`` choices).
+ConstraintFactory = Callable[[], TokenConstraint]
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request generates.
@@ -67,7 +100,9 @@ class SamplingParams:
     ids. ``logprobs`` asks for the log probability of each generated token
     and of the ``logprobs`` most likely alternatives (``None``: none; 0: the
     chosen token's only). ``n`` choices share the prompt's KV blocks
-    (computed once, forked copy-on-write).
+    (computed once, forked copy-on-write). ``constraint`` builds each
+    sequence's :class:`TokenConstraint` (``None``: unconstrained); it is
+    not serializable, so a constrained request cannot move to another engine.
     """
 
     max_tokens: int = 256
@@ -81,6 +116,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     n: int = 1
+    constraint: ConstraintFactory | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -124,6 +160,10 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
         _integer(self.n, "n", 1, MAX_N)
+        if self.constraint is not None and not callable(self.constraint):
+            raise BadRequestError(
+                "constraint must be a callable building a TokenConstraint", param="constraint"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -162,6 +202,9 @@ class Sampler:
         self._gen: torch.Generator | None = None
         self._counts: torch.Tensor | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.constraint: TokenConstraint | None = (
+            None if params.constraint is None else params.constraint()
+        )
         if not params.greedy:
             self._gen = torch.Generator()
             if params.seed is not None:
@@ -205,6 +248,10 @@ class Sampler:
         """``logits`` is ``[vocab]``: the chosen token and, if asked for, its log probabilities."""
         p = self.params
         scores = self._processed(logits)
+        if self.constraint is not None:
+            # The mask works on a copy: the raw row still gives the logprobs.
+            owned = scores.float().clone() if scores is logits else scores.float()
+            scores = self.constraint.mask(owned)
         if p.greedy:
             token = int(torch.argmax(scores))
         else:
@@ -222,6 +269,8 @@ class Sampler:
             else:
                 token = int(torch.multinomial(probs.cpu(), 1, generator=self._gen))
         self.observe(token, logits.shape[-1], logits.device)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if p.logprobs is None:
             return token, None
         return token, token_logprob(logits, token, p.logprobs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -52,6 +53,7 @@ from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.mm.images import ImageLimits, check_count, load_image
 from kvtier.server.auth import AuthGuard, ServerAuth
+from kvtier.server.grammar import ToolGrammars
 from kvtier.server.limits import BodyGuard, ServerLimits
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.metrics import (
@@ -73,6 +75,7 @@ from kvtier.server.streaming import (
     usage_body,
 )
 from kvtier.server.tenants import encode_images_for, for_tenant
+from kvtier.server.tools import encode_tool_chat, parse_tool_calls
 
 log = logging.getLogger("kvtier.server")
 
@@ -202,6 +205,11 @@ def create_app(
     app.state.served_model_name = served_model_name
     app.state.limits = limits
     app.state.max_prompt_chars = max_chars
+
+    @functools.cache
+    def tool_grammars() -> ToolGrammars:
+        """Tool-call grammars for the served tokenizer, built at the first request needing one."""
+        return ToolGrammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
 
     # -- errors ----------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -351,7 +359,7 @@ def create_app(
         streaming: bool,
         include_usage: bool,
         stream: Callable[..., AsyncIterator[bytes]],
-        choice: Callable[[str, list[Any]], dict[str, Any]],
+        choice: Callable[[str, list[Any], str | None], dict[str, Any]],
     ) -> JSONResponse | StreamingResponse:
         """A completion's response: SSE when streaming, else one OpenAI-shaped JSON body."""
         now = int(time.time())
@@ -371,11 +379,7 @@ def create_app(
         for i, c in enumerate(acc.choices):
             assert c.last is not None
             choices.append(
-                {
-                    "index": i,
-                    **choice("".join(c.text), c.logprobs),
-                    "finish_reason": c.last.finish_reason,
-                }
+                {"index": i, **choice("".join(c.text), c.logprobs, c.last.finish_reason)}
             )
         return SafeJSONResponse(
             {
@@ -402,7 +406,13 @@ def create_app(
                 f"{len(body.messages)} (the server's --max-messages)",
                 param="messages",
             )
+        tool_req = body.tool_request()
+        with_tools = body.uses_tools() or tool_req is not None
         mm: Any = None
+        if with_tools and body.has_images():
+            raise APIError(
+                400, "tools cannot be combined with images: send one or the other", param="tools"
+            )
         if body.has_images() and engine.vlm is not None:
             messages, urls = body.to_multimodal_messages()
             check_count(len(urls), images)
@@ -419,6 +429,8 @@ def create_app(
             ids, mm = await asyncio.to_thread(
                 _encode_with_images, engine, messages, urls, images, salt
             )
+        elif with_tools:
+            ids = await asyncio.to_thread(encode_tool_chat, engine.tokenizer, messages, tool_req)
         else:
             ids = await asyncio.to_thread(engine.encode_chat, messages)
         if requested is None:  # up to the context, capped by --default-max-tokens
@@ -426,16 +438,33 @@ def create_app(
                 params,
                 max_tokens=limits.default_completion_tokens(engine.max_model_len - len(ids)),
             )
+        if tool_req is not None and tool_req.constrained:
+            factory = await asyncio.to_thread(tool_grammars().constraint_for, tool_req)
+            params = dataclasses.replace(params, constraint=factory)
         handle = await submit(
             ids, params, prompt_param="messages", mm=mm, hints=hints, cache_salt=salt
         )
+        parse = tool_req is not None and tool_req.parses
 
-        def choice(text: str, lps: list[Any]) -> dict[str, Any]:
+        def choice(text: str, lps: list[Any], finish: str | None) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if parse:
+                assert tool_req is not None
+                content, calls = parse_tool_calls(text, tool_req.max_calls)
+                if calls:
+                    message["content"] = content
+                    message["tool_calls"] = [c.as_openai() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
             return {
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": chat_logprobs(tokens, lps) if params.logprobs is not None else None,
+                "finish_reason": finish,
             }
 
+        stream = chat_stream
+        if parse:
+            assert tool_req is not None
+            stream = functools.partial(chat_stream, tool_calls=True, max_calls=tool_req.max_calls)
         return await respond(
             handle,
             request,
@@ -443,7 +472,7 @@ def create_app(
             "chat.completion",
             body.streaming,
             body.include_usage,
-            chat_stream,
+            stream,
             choice,
         )
 
@@ -466,13 +495,11 @@ def create_app(
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         else:
             ids = prompt
-        handle = await submit(
-            ids, params, prompt_param="prompt", hints=hints, cache_salt=salt
-        )
+        handle = await submit(ids, params, prompt_param="prompt", hints=hints, cache_salt=salt)
 
-        def choice(text: str, lps: list[Any]) -> dict[str, Any]:
+        def choice(text: str, lps: list[Any], finish: str | None) -> dict[str, Any]:
             lp = completion_logprobs(tokens, lps) if params.logprobs is not None else None
-            return {"text": text, "logprobs": lp}
+            return {"text": text, "logprobs": lp, "finish_reason": finish}
 
         return await respond(
             handle,
@@ -524,7 +551,14 @@ def create_app(
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
+        from kvtier.server.workflows import session_stats
+
         snap = await snapshot()
+        sessions = (
+            await asyncio.to_thread(worker.call, session_stats)
+            if worker.alive
+            else session_stats(engine)
+        )
         layout = engine.layout
         ttft = snap.ttft
         return {
@@ -551,6 +585,7 @@ def create_app(
                 "prefix_caching": engine.prefix_caching,
             },
             "tiers": snap.tiers,
+            "sessions": sessions,
             "pressure": None if snap.pressure is None else snap.pressure.as_dict(),
             "encoder_cache": snap.encoder_cache,
             "layout": {

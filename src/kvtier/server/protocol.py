@@ -8,12 +8,16 @@ number has OpenAI's range, and text must be valid Unicode (a lone surrogate
 is refused, since it cannot be encoded). Fields kvtier does not know are
 ignored, as OpenAI's newer fields would be, except ``kvtier``: the agent
 hints extension object (:mod:`kvtier.hints`), validated strictly.
-Fields it knows but cannot
-honour (tools, ``response_format`` other than text, ``echo``, ``suffix``,
+Function tools are served: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, assistant messages with ``tool_calls`` and ``tool``
+messages are checked here and in :mod:`kvtier.server.tools`, which renders
+and parses them. Fields it knows but cannot honour (the legacy
+``functions`` / ``function_call`` and the ``function`` role, tools together
+with images, ``response_format`` other than text, ``echo``, ``suffix``,
 ``best_of`` > 1, audio, content parts other than text and ``image_url``;
-``image_url`` parts for a model that takes no images) are refused by name with
-:class:`~kvtier.errors.BadRequestError`, which the server reports as HTTP
-400 — never silently ignored.
+``image_url`` parts for a model that takes no images) are refused by name
+with :class:`~kvtier.errors.BadRequestError`, which the server reports as
+HTTP 400 — never silently ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from kvtier.engine.sampling import MAX_N, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from kvtier.errors import BadRequestError
 from kvtier.hints import Hints, parse_hints
+from kvtier.server.tools import ToolRequest, assistant_calls, tool_request
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -39,8 +44,7 @@ def _valid_unicode(text: str) -> str:
     except UnicodeEncodeError:
         # The message must not echo the text: it could not be encoded in a response either.
         raise ValueError(
-            "text is not valid Unicode (it holds a lone surrogate such as \\ud800): "
-            "send UTF-8 text"
+            "text is not valid Unicode (it holds a lone surrogate such as \\ud800): send UTF-8 text"
         ) from None
     return text
 
@@ -125,22 +129,33 @@ class ChatMessage(_Body):
         return out
 
     def has_images(self) -> bool:
-        return isinstance(self.content, list) and any(
-            p.type == "image_url" for p in self.content
-        )
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
+    def uses_tools(self) -> bool:
+        """Whether the message is a tool call or a tool's result."""
+        return self.role == "tool" or bool(self.tool_calls)
 
     def _checked(self, where: str) -> str | list[ContentPart]:
-        if self.role in ("tool", "function"):
+        if self.role == "function":
             raise BadRequestError(
-                f"{self.role} messages are not supported: kvtier serve does no tool calling",
+                "function messages (the legacy function calling) are not supported: send the "
+                "result as a tool message with its tool_call_id",
                 param=f"{where}.role",
             )
-        if self.tool_calls:
+        if self.tool_calls and self.role != "assistant":
             raise BadRequestError(
-                "tool_calls are not supported: kvtier serve does no tool calling",
+                f"only assistant messages carry tool_calls, not {self.role} messages",
                 param=f"{where}.tool_calls",
             )
+        if self.role == "tool" and not self.tool_call_id:
+            raise BadRequestError(
+                f"{where}.tool_call_id is required for a tool message: the id of the call "
+                "it answers",
+                param=f"{where}.tool_call_id",
+            )
         content = self.content
+        if content is None and self.tool_calls:
+            return ""  # an assistant turn that only calls tools
         if content is None:
             raise BadRequestError(
                 f"{where}.content is required for a {self.role} message", param=f"{where}.content"
@@ -251,10 +266,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # Known and refused: kvtier serves plain text generation.
+    # Checked by kvtier.server.tools (OpenAI's shapes, with errors naming the field).
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Known and refused.
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: Any = None
@@ -272,30 +288,20 @@ class ChatCompletionRequest(_Sampling):
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise BadRequestError(
-                "top_logprobs needs logprobs set to true", param="top_logprobs"
-            )
+            raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
         """Refuse, by name, what the request asks for that kvtier cannot do."""
-        if self.tools:
-            raise BadRequestError(
-                "tools are not supported: kvtier serve does no tool calling (leave tools out)",
-                param="tools",
-            )
-        if self.tool_choice not in (None, "none"):
-            raise BadRequestError(
-                "tool_choice is not supported: kvtier serve does no tool calling",
-                param="tool_choice",
-            )
         if self.functions:
             raise BadRequestError(
-                "functions are not supported (no tool calling)", param="functions"
+                "functions (the legacy function calling) are not supported: send them as tools",
+                param="functions",
             )
         if self.function_call not in (None, "none"):
             raise BadRequestError(
-                "function_call is not supported (no tool calling)", param="function_call"
+                "function_call (the legacy function calling) is not supported: use tool_choice",
+                param="function_call",
             )
         fmt = self.response_format
         if fmt is not None and not (isinstance(fmt, dict) and fmt == {"type": "text"}):
@@ -315,16 +321,44 @@ class ChatCompletionRequest(_Sampling):
         if self.web_search_options is not None:
             raise BadRequestError("web search is not supported", param="web_search_options")
 
+    def tool_request(self) -> ToolRequest | None:
+        """The request's tools and tool choice, checked (``None``: it sends neither)."""
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def uses_tools(self) -> bool:
+        """Whether the request offers tools or its messages hold tool calls or results."""
+        return self.tools is not None or any(m.uses_tools() for m in self.messages)
+
     def to_messages(self) -> list[dict[str, Any]]:
-        """The messages as plain dicts for the chat template; checks what kvtier supports."""
+        """The messages as plain dicts for the chat template; checks what kvtier supports.
+
+        An assistant message's ``tool_calls`` keep their ids and carry their
+        arguments as a dict; a ``tool`` message keeps its ``tool_call_id``,
+        which must answer a call made earlier in the conversation.
+        """
         self.check_supported()
         if not self.messages:
             raise BadRequestError("messages must be a non-empty list", param="messages")
         out: list[dict[str, Any]] = []
+        call_ids: set[str] = set()
         for i, m in enumerate(self.messages):
             # "developer" is OpenAI's newer name for the system role.
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text(i)})
+            entry: dict[str, Any] = {"role": role, "content": m.text(i)}
+            if m.tool_calls:
+                entry["tool_calls"] = assistant_calls(m.tool_calls, f"messages[{i}]")
+                call_ids.update(c["id"] for c in entry["tool_calls"])
+            if role == "tool":
+                if m.tool_call_id not in call_ids:
+                    raise BadRequestError(
+                        f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call "
+                        "made by an earlier assistant message",
+                        param=f"messages[{i}].tool_call_id",
+                    )
+                entry["tool_call_id"] = m.tool_call_id
+                if m.name is not None:
+                    entry["name"] = m.name
+            out.append(entry)
         return out
 
     def has_images(self) -> bool:
@@ -347,9 +381,12 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """The body of ``POST /v1/completions``."""
 
-    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0)]] | list[
-        list[Annotated[int, Field(ge=0)]]
-    ]
+    prompt: (
+        Text
+        | list[Text]
+        | list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    )
     max_tokens: MaxTokens | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool | None = False

@@ -5,6 +5,14 @@ per chunk, tagged with its ``index``), a usage event when asked for, then
 ``data: [DONE]``; a request that fails sends an OpenAI error event instead
 of its final chunk, and a client that goes away cancels its request.
 :class:`ChoiceAccumulator` gathers a non-streamed request's choices.
+
+A chat stream that parses tool calls (:mod:`kvtier.server.tools`) sends
+text before a call as content, holds back text that may begin
+``<tool_call>``, and sends each call once its closing tag arrived, in
+OpenAI's delta shape: a first delta with the call's ``index``, ``id``,
+``type`` and function ``name`` (empty ``arguments``), then one with the
+arguments. A choice that made calls and stopped ends with
+``finish_reason`` ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from kvtier.engine.sampling import TokenLogprob
 from kvtier.engine.worker import RequestHandle
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.protocol import error_body
+from kvtier.server.tools import StreamEvent, ToolCallStream
 
 
 def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
@@ -140,9 +149,17 @@ def chat_stream(
     model: str,
     include_usage: bool,
     tokens: TokenText,
+    *,
+    tool_calls: bool = False,
+    max_calls: int | None = None,
 ) -> AsyncIterator[bytes]:
-    """SSE events of a chat completion: ``chat.completion.chunk`` objects."""
+    """SSE events of a chat completion: ``chat.completion.chunk`` objects.
+
+    With ``tool_calls`` the text is parsed for calls (at most ``max_calls``
+    per choice, ``None``: any number).
+    """
     started: set[int] = set()
+    parsers: dict[int, ToolCallStream] = {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -158,15 +175,46 @@ def chat_stream(
             started.add(i)
             chunks.append(chunk(i, {"role": "assistant", "content": ""}, None, None))
         lp = chat_logprobs(tokens, list(out.logprobs)) if out.logprobs else None
-        if out.text or lp is not None:
-            chunks.append(chunk(i, {"content": out.text}, None, lp))
+        if not tool_calls:
+            if out.text or lp is not None:
+                chunks.append(chunk(i, {"content": out.text}, None, lp))
+            if out.finished:
+                chunks.append(chunk(i, {}, out.finish_reason, None))
+            return chunks
+        parser = parsers.setdefault(i, ToolCallStream(max_calls))
+        events = parser.feed(out.text)
         if out.finished:
-            chunks.append(chunk(i, {}, out.finish_reason, None))
+            events += parser.finish()
+        deltas = [d for e in events for d in _event_deltas(e)]
+        if lp is not None and not deltas:
+            deltas.append({})
+        for n, delta in enumerate(deltas):
+            chunks.append(chunk(i, delta, None, lp if n == 0 else None))
+        if out.finished:
+            finish = out.finish_reason
+            if parser.calls and finish == "stop":
+                finish = "tool_calls"
+            chunks.append(chunk(i, {}, finish, None))
         return chunks
 
     return _stream_outputs(
         handle, "chat.completion.chunk", rid, created, model, on_output, include_usage
     )
+
+
+def _event_deltas(event: StreamEvent) -> list[dict[str, Any]]:
+    """The deltas of one parsed piece: content, or a call's name and then its arguments."""
+    if event.call is None:
+        return [{"content": event.content}] if event.content else []
+    call = event.call
+    head = {
+        "index": event.index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
+    args = {"index": event.index, "function": {"arguments": call.arguments}}
+    return [{"tool_calls": [head]}, {"tool_calls": [args]}]
 
 
 def completion_stream(

@@ -1,0 +1,135 @@
+"""Constrained decoding of tool calls with xgrammar.
+
+For ``tool_choice`` ``"required"`` or a named function the answer must be
+a call. :class:`ToolGrammars` compiles, per request, a grammar for exactly
+one Hermes block, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+whose JSON follows the called tool's parameter schema (any of the tools for
+``"required"``), followed by an end-of-sequence token. Each sequence gets
+an :class:`XGrammarConstraint` (a
+:class:`~kvtier.engine.sampling.TokenConstraint`): before every token it
+fills xgrammar's bitmask of the tokens the grammar allows and sets the
+other logits to ``-inf``, so even a random model writes a well-formed call.
+
+The JSON is written compactly (``", "`` and ``": "`` separators, no other
+whitespace): free whitespace would let a weak model pad forever. xgrammar
+is imported on first use; without it a constrained request is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvtier.engine.sampling import ConstraintFactory
+from kvtier.errors import BadRequestError
+from kvtier.server.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolRequest, ToolSpec
+
+
+def call_schema(tools: Iterable[ToolSpec]) -> dict[str, Any]:
+    """The JSON schema of one call object ``{"name", "arguments"}`` to any of ``tools``."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    if len(options) == 1:
+        return options[0]
+    return {"anyOf": options}
+
+
+class XGrammarConstraint:
+    """One sequence's grammar state: masks logits and follows the tokens picked."""
+
+    def __init__(self, matcher: Any, vocab_size: int, xgr: Any) -> None:
+        self._matcher = matcher
+        self._xgr = xgr
+        self._vocab = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._matcher.is_terminated():
+            return logits  # nothing left to constrain; the sequence ends on its stop token
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        bitmask = self._bitmask.to(logits.device, non_blocking=True)
+        size = min(self._vocab, logits.shape[-1])
+        self._xgr.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask, vocab_size=size)
+        if logits.shape[-1] > self._vocab:
+            # Rows past the grammar's vocabulary (embedding padding) are never allowed.
+            logits[self._vocab :] = float("-inf")
+        return logits
+
+    def accept(self, token: int) -> None:
+        if self._matcher.is_terminated():
+            return
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"the grammar does not allow token {token}")
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class ToolGrammars:
+    """Compiles tool-call grammars for one tokenizer (the compiler is built on first use)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None, stop_token_ids: Iterable[int]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop = sorted(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._xgr: Any = None
+        self._info_vocab = 0
+
+    def _load(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise BadRequestError(
+                        'tool_choice "required" or a named function needs constrained '
+                        "decoding, and this server lacks the xgrammar package: install it "
+                        '(pip install xgrammar) or send tool_choice "auto"',
+                        param="tool_choice",
+                    ) from None
+                tok = self._tokenizer
+                vocab = max(self._vocab_size or 0, len(tok))
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=vocab, stop_token_ids=self._stop or None
+                )
+                self._info_vocab = info.vocab_size
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._xgr = xgr
+            return self._compiler, self._xgr
+
+    def constraint_for(self, req: ToolRequest) -> ConstraintFactory:
+        """A factory of fresh constraints (one per sequence) for ``req``'s forced call."""
+        compiler, xgr = self._load()
+        schema = call_schema(req.called_tools())
+        try:
+            grammar = xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN + chr(10))}"),
+                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + TOOL_CALL_CLOSE)}"),
+            )
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as exc:  # the schema is the client's: a construct xgrammar refuses
+            raise BadRequestError(
+                f"the tools' parameter schemas cannot be enforced: {exc}; simplify them or "
+                'send tool_choice "auto"',
+                param="tools",
+            ) from None
+        vocab = self._info_vocab
+
+        def build() -> XGrammarConstraint:
+            return XGrammarConstraint(xgr.GrammarMatcher(compiled), vocab, xgr)
+
+        return build
