@@ -22,7 +22,7 @@ from kvtier import BadRequestError, ConfigError, KVCacheManager, make_policy
 from kvtier.agents import WorkflowPolicy, WorkflowTracker, sequential
 from kvtier.agents.policy import DEFAULT, PINNED, workflow_policy_of
 
-FALLBACKS = ["lru", "arc", "s3fifo", "lfu", "fifo", "sieve", "gdsf", "hybrid"]
+FALLBACKS = ["lru", "learned-reuse", "arc", "s3fifo", "lfu", "fifo", "sieve", "gdsf", "hybrid"]
 
 
 class EquivalenceMachine(RuleBasedStateMachine):
@@ -207,8 +207,9 @@ def test_the_agent_due_soonest_is_evicted_last() -> None:
         p.insert_many(keys)
     # d ran last: a is next (0 steps), then b, c; d is needed last.
     order = p.evict_many(12)
-    assert order[:3] == [30, 31, 32] and order[-3:] == [0, 1, 2]
-    assert order[3:6] == [20, 21, 22]
+    # Within an agent's chain, the tail goes first (its head stays a usable prefix).
+    assert order[:3] == [32, 31, 30] and order[-3:] == [2, 1, 0]
+    assert order[3:6] == [22, 21, 20]
 
 
 def test_a_prefetch_may_take_blocks_due_later_shared_or_not() -> None:
@@ -323,3 +324,30 @@ def test_the_fallback_is_configurable_and_cannot_be_itself() -> None:
     assert workflow_policy_of(wrapped) is not None
     with pytest.raises(ConfigError, match="another policy"):
         make_policy("workflow", fallback="workflow")
+
+
+def test_a_session_end_releases_its_pins_and_sends_its_blocks_first() -> None:
+    p = make_policy("workflow")
+    p.bind(100)
+    shared, own, other = [1, 2], [3, 4], [5, 6]
+    p.on_request(shared + own, 0, 0.0, {"session_id": "s", "cache_ttl_s": 30})
+    p.insert_many(shared + own)
+    p.on_request(shared + other, 2, 0.0, {"session_id": "t", "cache_ttl_s": 60})
+    p.insert_many(other)
+    inner = workflow_policy_of(p)
+    assert inner is not None
+    assert all(inner.rank_of(k) == PINNED for k in own + other)
+    stats = inner.session_stats()
+    assert stats["tracked"] == stats["live"] == 2 and stats["pinned_blocks"] == 6
+    p.on_request(shared + own, 4, 1.0, {"session_id": "s", "session_end": True})
+    assert inner.session_stats()["ended"] == 1 and inner.session_stats()["tracked"] == 1
+    # Its own blocks go first, tail first; the shared prefix stays with the live session.
+    assert p.evict_many(2) == [4, 3]
+    assert not inner.end_session("s")
+
+
+def test_session_end_needs_a_session_id() -> None:
+    with pytest.raises(BadRequestError, match="session_id"):
+        make_policy("workflow").on_request([1], 0, 0.0, {"session_end": True})
+    with pytest.raises(BadRequestError, match="session_end"):
+        make_policy("workflow").on_request([1], 0, 0.0, {"session_id": "s", "session_end": 1})

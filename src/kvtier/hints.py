@@ -19,7 +19,9 @@ Hints are optional. A request may carry any of:
   finishes (a tool call is about to pause the session); capped at
   :data:`MAX_TTL_S`, and the bytes all pins hold are capped by the policy;
 * ``reuse``: ``"likely"``, ``"unlikely"`` or ``"never"``, the application's
-  guess whether the blocks will be used again.
+  guess whether the blocks will be used again;
+* ``session_end``: ``true`` when this is the session's last request: its
+  TTL pins are released and its own blocks are evicted first.
 
 :func:`parse_hints` turns a mapping (an OpenAI request's ``kvtier`` object,
 a trace line's fields, a Python caller's dict) into :class:`Hints`, refusing
@@ -51,6 +53,7 @@ HINT_NAMES: tuple[str, ...] = (
     "step",
     "cache_ttl_s",
     "reuse",
+    "session_end",
 )
 _IDS = ("session_id", "parent_session_id", "workflow_id", "agent_id")
 
@@ -66,6 +69,7 @@ class Hints:
     step: int | None = None
     cache_ttl_s: float | None = None
     reuse: Reuse | None = None
+    session_end: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The hints that are set, as plain data (what policies receive)."""
@@ -146,6 +150,19 @@ def parse_hints(value: object, *, where: str = "kvtier") -> Hints | None:
                 param=_where(where, "reuse"),
             )
         fields["reuse"] = reuse
+    end = value.get("session_end")
+    if end is not None:
+        if not isinstance(end, bool):
+            raise BadRequestError(
+                f"{_where(where, 'session_end')} must be true or false, got {end!r:.80}",
+                param=_where(where, "session_end"),
+            )
+        if end and "session_id" not in fields:
+            raise BadRequestError(
+                f"{where}: session_end ends a session; give its session_id with it",
+                param=_where(where, "session_end"),
+            )
+        fields["session_end"] = end or None
     if ("workflow_id" in fields) != ("agent_id" in fields) and "step" in fields:
         raise BadRequestError(
             f"{where}: step reports a workflow agent's progress; give workflow_id and agent_id "

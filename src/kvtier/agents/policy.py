@@ -39,7 +39,8 @@ probe shows the hints helping again.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -49,16 +50,24 @@ from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.hints import Hints, parse_hints
 from kvtier.policy.admission import with_admission
-from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.base import EvictionPolicy, PolicyBase, request_hook
 from kvtier.policy.guard import LRUGuard
+from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.registry import make_policy, register_policy
 
 #: The class of keys no hint ranks (and of every key without hints).
 DEFAULT = 1
-#: ``reuse="never"``: evicted before anything else.
+#: ``reuse="never"`` and the blocks of ended sessions: evicted before anything else.
 NEVER = 0
-#: TTL-pinned keys: evicted last.
+#: Dynamic suffixes take ranks DYNAMIC .. DYNAMIC + FAR (the agent due soonest highest).
+DYNAMIC = 2
+#: TTL-pinned keys past the pin cap: after every suffix, before every shared prefix.
+WAITING = DYNAMIC + FAR + 1
+#: Shared prefixes take ranks SHARED .. SHARED + FAR.
+SHARED = WAITING + 1
+#: TTL-pinned keys within the pin cap: evicted last.
 PINNED = 3 * FAR + 10
+_TIMED = frozenset((WAITING, PINNED))
 #: Owners one key remembers at most (a block shared more widely is shared anyway).
 _MAX_OWNERS = 8
 
@@ -69,7 +78,117 @@ def keep_rank(distance: int, shared: bool) -> int:
     Every dynamic suffix ranks below every shared prefix; within each, the
     farther the block's agent, the lower.
     """
-    return 1 + (FAR - min(max(distance, 0), FAR)) + (FAR + 1) * int(shared)
+    return (SHARED if shared else DYNAMIC) + (FAR - min(max(distance, 0), FAR))
+
+
+class _TailFirst(LRUPolicy):
+    """LRU over requests, and within one request's chain the tail first.
+
+    The owner evicts a cached block's descendants with it, so taking a
+    chain's head first would drop the whole chain; tail first leaves a usable
+    prefix (what the agent or session due next can still hit).
+    """
+
+    def insert_many(
+        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
+    ) -> None:
+        if pinned or sizes is not None:
+            super().insert_many(keys, pinned, sizes)
+        else:
+            self._order.update(dict.fromkeys(reversed(keys)))
+
+    def unpin_many(self, keys: Sequence[int]) -> None:
+        super().unpin_many(keys[::-1])
+
+    def access_many(self, keys: Sequence[int]) -> None:
+        order = self._order
+        for key in reversed(keys):
+            if key in order:
+                order.move_to_end(key)
+
+
+class _ByReturn(PolicyBase):
+    """TTL-pinned keys: the key whose pin ends latest goes first, a chain's tail first.
+
+    ``until`` says when a key's pin ends (when its session is expected back).
+    """
+
+    def __init__(self, until: Callable[[int], float]) -> None:
+        super().__init__()
+        self._until = until
+        self._seq = 0
+        #: Evictable keys -> the (-until, -seq) of their live heap entry.
+        self._live: dict[int, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._held: set[int] = set()
+
+    def _push(self, key: int) -> None:
+        self._seq += 1
+        entry = (-self._until(key), -self._seq)
+        self._live[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 4 * len(self._live) + 64:
+            self._heap = [(*e, k) for k, e in self._live.items()]
+            heapq.heapify(self._heap)
+
+    def _pinned_keys(self) -> Iterable[int]:
+        return self._held
+
+    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
+        if size != 1:
+            self._record_size(key, size)
+        if pinned:
+            self._held.add(key)
+        else:
+            self._push(key)
+
+    def access(self, key: int) -> None:
+        if key in self._live:
+            self._push(key)
+
+    def pin(self, key: int) -> None:
+        if self._live.pop(key, None) is None:
+            raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
+        self._held.add(key)
+
+    def unpin(self, key: int) -> None:
+        try:
+            self._held.remove(key)
+        except KeyError:
+            raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned") from None
+        self._push(key)
+
+    def remove(self, key: int) -> None:
+        if self._live.pop(key, None) is None:
+            if key not in self._held:
+                return
+            self._held.remove(key)
+        if self._sizes:
+            self._forget_size(key)
+
+    def evict(self) -> int | None:
+        heap, live = self._heap, self._live
+        while heap:
+            neg_until, neg_seq, key = heapq.heappop(heap)
+            if live.get(key) == (neg_until, neg_seq):
+                del live[key]
+                if self._sizes:
+                    self._forget_size(key)
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live or key in self._held
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._live)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self._state(), "order": sorted(self._live.items()), "pinned": sorted(self._held)}
 
 
 @dataclass(slots=True)
@@ -80,6 +199,24 @@ class _Tag:
     session: str | None = None
     shared: bool = False
     reuse: str | None = None
+
+
+@dataclass(slots=True)
+class _Session:
+    """One session's last pause: when it started, the TTL hinted, the pauses seen."""
+
+    since: float = 0.0
+    ttl: float | None = None
+    until: float = 0.0
+    #: Mean pause observed between this session's requests (0.0: none seen yet).
+    pause: float = 0.0
+    keys: list[int] = field(default_factory=list)
+
+
+#: Sessions remembered at most (the oldest are forgotten first).
+MAX_SESSIONS = 100_000
+#: Pause/TTL ratios kept to learn how far hinted TTLs run short.
+_RATIOS = 512
 
 
 class WorkflowPolicy(PolicyBase):
@@ -124,6 +261,7 @@ class WorkflowPolicy(PolicyBase):
         self._history_factor = history
         self._use_guard = guard
         self._global: EvictionPolicy = self._new_fallback()
+        self._fallback_hook = request_hook(self._global)
         # The global instance records every size; share its table (evict_for reads it).
         self._sizes = getattr(self._global, "_sizes", self._sizes)
         self._classes: dict[int, EvictionPolicy] = {}
@@ -132,9 +270,11 @@ class WorkflowPolicy(PolicyBase):
         self._pinned: set[int] = set()
         self._tags: OrderedDict[int, _Tag] = OrderedDict()
         self._history = 1024
-        #: (workflow, agent) -> resident keys it owns.
-        self._by_agent: dict[tuple[str, str], set[int]] = {}
+        #: (workflow, agent) -> resident keys it owns, in chain order (moves keep it).
+        self._by_agent: dict[tuple[str, str], dict[int, None]] = {}
         self._by_workflow: dict[str, set[str]] = {}
+        #: The spec whose agent prefixes were tagged, per workflow.
+        self._tagged: dict[str, object] = {}
         #: TTL pins: key -> expiry, a heap of (expiry, key), the keys protected now.
         self._expiry: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
@@ -148,6 +288,11 @@ class WorkflowPolicy(PolicyBase):
         self.requests = 0
         self.hinted_requests = 0
         self.bypassed = 0
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._ratios: deque[float] = deque(maxlen=_RATIOS)
+        self._stretch = 1.0
+        self._new_ratios = 0
+        self.sessions_ended = 0
         self.tracker.subscribe(self._on_workflow)
 
     def _new_fallback(self) -> EvictionPolicy:
@@ -172,9 +317,19 @@ class WorkflowPolicy(PolicyBase):
     def _cls(self, rank: int) -> EvictionPolicy:
         c = self._classes.get(rank)
         if c is None:
-            c = self._new_fallback()
+            if rank == DEFAULT:
+                c = self._new_fallback()
+            else:
+                # Hint-ranked classes order their keys themselves: by when a pin
+                # ends, or by request recency with a chain's tail first.
+                c = _ByReturn(self._until) if rank >= WAITING and rank in _TIMED else _TailFirst()
+                if self.capacity:
+                    c.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
             self._classes[rank] = c
         return c
+
+    def _until(self, key: int) -> float:
+        return self._expiry.get(key, math.inf)
 
     def _rank_of(self, key: int) -> int:
         return self._class_of.get(key, DEFAULT)
@@ -185,9 +340,11 @@ class WorkflowPolicy(PolicyBase):
             return PINNED
         tag = self._tags.get(key)
         if tag is None:
-            return DEFAULT
+            return WAITING if key in self._expiry else DEFAULT
         if tag.reuse == "never":
             return NEVER
+        if key in self._expiry:
+            return WAITING
         d = FAR
         distance = self.tracker.distance
         for wid, aid in tag.owners:
@@ -218,7 +375,7 @@ class WorkflowPolicy(PolicyBase):
 
     def _index(self, key: int, tag: _Tag) -> None:
         for owner in tag.owners:
-            self._by_agent.setdefault(owner, set()).add(key)
+            self._by_agent.setdefault(owner, {})[key] = None
             self._by_workflow.setdefault(owner[0], set()).add(owner[1])
 
     def _unindex(self, key: int) -> None:
@@ -227,20 +384,25 @@ class WorkflowPolicy(PolicyBase):
             for owner in tag.owners:
                 keys = self._by_agent.get(owner)
                 if keys is not None:
-                    keys.discard(key)
+                    keys.pop(key, None)
                     if not keys:
                         del self._by_agent[owner]
 
     def _on_workflow(self, workflow_id: str) -> None:
         """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
         state = self.tracker.get(workflow_id)
-        if state is not None:
+        if state is None:
+            self._tagged.pop(workflow_id, None)
+        elif self._tagged.get(workflow_id) is not state.spec:
+            # Registered or replaced: tag its prefixes once (progress does not change them).
+            self._tagged[workflow_id] = state.spec
             for a in state.spec.agents:
                 if a.prefix_keys:
                     self._tag_keys(a.prefix_keys, (workflow_id, a.agent_id), None, shared=True)
         agents = self._by_workflow.get(workflow_id, ())
         for aid in list(agents):
-            for key in list(self._by_agent.get((workflow_id, aid), ())):
+            # Tail first: the class then evicts the chain's tail first, as it would have.
+            for key in reversed(list(self._by_agent.get((workflow_id, aid), ()))):
                 self._move(key)
 
     # -- hints --------------------------------------------------------------------------
@@ -255,6 +417,7 @@ class WorkflowPolicy(PolicyBase):
     ) -> None:
         tags = self._tags
         resident = self._global
+        moved: list[int] = []
         for key in keys:
             tag = tags.get(key)
             if tag is None:
@@ -280,10 +443,13 @@ class WorkflowPolicy(PolicyBase):
                 if len(tag.owners) < _MAX_OWNERS:
                     tag.owners.append(owner)
                 if key in resident:
-                    self._by_agent.setdefault(owner, set()).add(key)
+                    self._by_agent.setdefault(owner, {})[key] = None
                     self._by_workflow.setdefault(owner[0], set()).add(owner[1])
             if key in resident:
-                self._move(key)
+                moved.append(key)
+        # Tail first, so a class evicts the chain's tail first.
+        for key in reversed(moved):
+            self._move(key)
         excess = len(tags) - self._history
         tries = 4 * excess + 8
         while excess > 0 and tries > 0:
@@ -309,6 +475,14 @@ class WorkflowPolicy(PolicyBase):
         guard = self.guard
         if guard is not None:
             guard.observe(keys, self._global)
+        # A request-aware fallback (learned-reuse) learns from every request, hinted or not.
+        hook = self._fallback_hook
+        if hook is not None:
+            hook(keys, num_hit, now, hints)
+            c = self._classes.get(DEFAULT)
+            inner = request_hook(c) if c is not None else None
+            if inner is not None:
+                inner(keys, num_hit, now, hints)
         h = self._hints(hints)
         if h is None:
             return
@@ -350,8 +524,88 @@ class WorkflowPolicy(PolicyBase):
         # reuse speaks for the request's own new blocks, never for ones others use.
         self._tag_keys(rest[:num_hit], owner, session)
         self._tag_keys(rest[num_hit:], owner, session, reuse=h.reuse)
+        if h.session_id is not None:
+            self._session(h, keys, now, progress)
+        elif h.cache_ttl_s:
+            self.pin_for(keys, now + h.cache_ttl_s * self._stretch)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def _session(self, h: Hints, keys: Sequence[int], now: float, progress: bool) -> None:
+        """A session's request: learn its pause, pin it until it is expected back."""
+        sid = h.session_id
+        assert sid is not None
+        sessions = self._sessions
+        rec = sessions.get(sid)
+        if rec is None:
+            rec = sessions[sid] = _Session()
+            while len(sessions) > MAX_SESSIONS:
+                sessions.popitem(last=False)
+        else:
+            sessions.move_to_end(sid)
+            n = len(rec.keys) - 1  # a grown prompt may change the old partial tail block
+            # Only a request that continues the session's chain says when it came back
+            # (a session id that lies about the conversation teaches nothing).
+            if progress and rec.since > 0.0 and n > 0 and list(keys[:n]) == rec.keys[:n]:
+                pause = now - rec.since
+                if rec.ttl:
+                    self._learn(pause / rec.ttl)
+                rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
+        if h.session_end:
+            self.end_session(sid)
+            return
+        rec.since = now
+        rec.ttl = h.cache_ttl_s
+        rec.keys = list(keys)
         if h.cache_ttl_s:
-            self.pin_for(keys, now + h.cache_ttl_s)
+            # When the session is expected back: its hint, stretched by how far
+            # hinted TTLs have run short of the pauses seen.
+            rec.until = now + h.cache_ttl_s * self._stretch
+        elif rec.pause > 0.0:
+            rec.until = now + 2.0 * rec.pause  # no hint: its own pauses so far
+        else:
+            return
+        self.pin_for(keys, rec.until)
+
+    def _learn(self, ratio: float) -> None:
+        self._ratios.append(ratio)
+        self._new_ratios += 1
+        if self._new_ratios >= 32:
+            self._new_ratios = 0
+            ordered = sorted(self._ratios)
+            # Most sessions back within their pin, never less than the hint, at most 4x it.
+            self._stretch = min(max(ordered[int(0.8 * (len(ordered) - 1))], 1.0), 4.0)
+
+    def end_session(self, session_id: str) -> bool:
+        """The session ended: release its pins, its own blocks go first. False if unknown."""
+        rec = self._sessions.pop(session_id, None)
+        if rec is None:
+            return False
+        self.sessions_ended += 1
+        tags = self._tags
+        resident = self._global
+        for key in reversed(rec.keys):
+            if self._expiry.pop(key, None) is not None and key in self._protected:
+                self._unprotect(key)
+            tag = tags.get(key)
+            if tag is not None and not tag.shared:
+                tag.reuse = "never"
+            if key in resident:
+                self._move(key)
+        return True
+
+    def session_stats(self) -> dict[str, int]:
+        """Sessions now: tracked, live (pinned until later than now), expired, ended; blocks."""
+        now = self._now
+        live = sum(1 for r in self._sessions.values() if r.until > now)
+        waiting = self._classes.get(WAITING)
+        return {
+            "tracked": len(self._sessions),
+            "live": live,
+            "expired": len(self._sessions) - live,
+            "ended": self.sessions_ended,
+            "pinned_blocks": self._protected_used,
+            "waiting_blocks": 0 if waiting is None else len(waiting),
+        }
 
     # -- TTL pins -------------------------------------------------------------------------
     @property
@@ -373,6 +627,9 @@ class WorkflowPolicy(PolicyBase):
             heapq.heappush(self._heap, (until, key))
             if key in self._global:
                 self._protect(key, until)
+                c = self._classes.get(self._rank_of(key))
+                if isinstance(c, _ByReturn):
+                    c.access(key)  # its pin ends later now: re-sort it
 
     def _protect(self, key: int, until: float) -> None:
         if until <= self._now:
@@ -386,6 +643,7 @@ class WorkflowPolicy(PolicyBase):
             return
         cap = self.pin_cap
         if size > cap:
+            self._move(key)
             return
         while self._protected_used + size > cap:
             # The pin that ends latest yields: a TTL is when the session is due back,
@@ -396,7 +654,9 @@ class WorkflowPolicy(PolicyBase):
                 heapq.heappop(pheap)  # stale
                 continue
             if -neg < until:
-                return  # every current pin ends sooner than this one: it does not get in
+                # Every current pin ends sooner than this one: it waits past the cap.
+                self._move(key)
+                return
             heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
@@ -429,6 +689,8 @@ class WorkflowPolicy(PolicyBase):
                 if key in self._protected:
                     self._unprotect(key)
                     n += 1
+                elif key in self._global:
+                    self._move(key)
         return n
 
     def _tick(self) -> None:
@@ -488,12 +750,24 @@ class WorkflowPolicy(PolicyBase):
         self._global.insert_many(keys, pinned, sizes)
         if pinned:
             self._pinned.update(keys)
-        if sizes is None:
+        if not self._tags:
             for key in keys:
-                self._place(key, pinned, 1)
-        else:
-            for key, size in zip(keys, sizes, strict=True):
-                self._place(key, pinned, size)
+                self._place(key, pinned, 1 if sizes is None else self._size(key))
+            return
+        # The fallback's class in chain order; the hint-ranked ones tail first.
+        later: list[int] = []
+        for key in keys:
+            if key in self._tags or key in self._expiry:
+                later.append(key)
+            else:
+                self._place(key, pinned, 1 if sizes is None else self._size(key))
+        tags = self._tags
+        for key in later:  # each agent's keys indexed in chain order
+            tag = tags.get(key)
+            if tag is not None:
+                self._index(key, tag)
+        for key in reversed(later):
+            self._place(key, pinned, 1 if sizes is None else self._size(key))
 
     def access(self, key: int) -> None:
         self._global.access(key)

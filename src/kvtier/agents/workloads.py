@@ -87,9 +87,7 @@ def _with_prefixes(spec: WorkflowSpec, prefixes: dict[str, list[int]]) -> Workfl
     return WorkflowSpec(spec.workflow_id, agents)
 
 
-def _request(
-    ts_ms: float, ids: list[int], input_length: int, output: int, **hints: Any
-) -> Line:
+def _request(ts_ms: float, ids: list[int], input_length: int, output: int, **hints: Any) -> Line:
     line: Line = {
         "timestamp": round(ts_ms, 3),
         "input_length": input_length,
@@ -100,10 +98,28 @@ def _request(
     return line
 
 
-def cyclic_workflow(agents: int = 10, prompt_tokens: int = 512, rounds: int = 20) -> list[Line]:
-    """One agent loop, deterministic: each step's prompt is exactly the agent's fixed prompt."""
+def cyclic_workflow(
+    agents: int = 10,
+    prompt_tokens: int = 512,
+    rounds: int = 20,
+    *,
+    suffix_tokens: int = 0,
+    answer_tokens: tuple[int, int] = (0, 0),
+    step_seconds: float = 1.0,
+    seed: int = 0,
+) -> list[Line]:
+    """One agent loop: each step's prompt is the agent's fixed prompt plus fresh tokens.
+
+    With ``suffix_tokens`` (and ``answer_tokens``, a range drawn per step)
+    each step appends that many fresh tokens after the fixed prompt: the
+    step's own input and a short answer, blocks no later step uses. Without
+    them (the default) every step's prompt is exactly the fixed prompt.
+    """
     if agents < 2 or prompt_tokens < BLOCK_SIZE or rounds < 1:
         raise ConfigError("a cyclic workflow needs 2+ agents, a prompt of a block, 1+ rounds")
+    if suffix_tokens < 0 or not 0 <= answer_tokens[0] <= answer_tokens[1]:
+        raise ConfigError("suffix_tokens and the answer_tokens range must be >= 0")
+    rng = random.Random(seed)
     ids = _Ids()
     n = prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
     names = [f"agent{i}" for i in range(agents)]
@@ -112,9 +128,15 @@ def cyclic_workflow(agents: int = 10, prompt_tokens: int = 512, rounds: int = 20
     lines: list[Line] = [_spec_line(spec)]
     for step in range(agents * rounds):
         a = names[step % agents]
+        fresh = suffix_tokens + rng.randint(*answer_tokens)
+        total = n + fresh
+        blocks = prefixes[a] + ids.take(_blocks(total) - len(prefixes[a]))
         lines.append(
-            _request(1000.0 * step, prefixes[a], n, 0, workflow_id="loop", agent_id=a, step=step)
-        )
+            _request(
+                1000.0 * step * step_seconds, blocks, total, 0,
+                workflow_id="loop", agent_id=a, step=step,
+            )
+        )  # fmt: skip
     return lines
 
 
@@ -250,9 +272,7 @@ def tool_sessions(
         last = st["turn"] + 1 >= st["turns"]
         latency = rng.lognormvariate(math.log(tool_latency_median_s), tool_latency_sigma)
         ttl = None if last else round(latency * rng.uniform(1 - ttl_error, 1 + ttl_error), 3)
-        lines.append(
-            _request(1000.0 * t, blocks, n, reply, session_id=f"s{s}", cache_ttl_s=ttl)
-        )
+        lines.append(_request(1000.0 * t, blocks, n, reply, session_id=f"s{s}", cache_ttl_s=ttl))
         if last:
             continue
         # The reply (the tool call) joins the conversation; the next turn starts after the tool.

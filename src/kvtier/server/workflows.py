@@ -11,7 +11,10 @@
 * ``POST /v1/workflows/{id}/progress`` ``{"agent_id": "a", "event": "step" |
   "start" | "complete", "step": 3}``: report progress explicitly (requests
   whose ``kvtier`` hints carry ``workflow_id``/``agent_id`` report it too);
-* ``DELETE /v1/workflows/{id}``: forget it.
+* ``DELETE /v1/workflows/{id}``: forget it;
+* ``DELETE /v1/sessions/{session_id}``: end a session (as a request hinted
+  ``session_end: true`` does): its TTL pins are released and its own blocks
+  are evicted first. 404 when the device policy knows no such session.
 
 Bad bodies are 400 with OpenAI's error body; an unknown workflow is 404.
 Everything runs on the engine thread (:meth:`EngineWorker.call`), between steps.
@@ -34,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvtier.agents.graph import WorkflowState, parse_workflow
+from kvtier.agents.policy import workflow_policy_of
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import EngineWorker
 from kvtier.errors import BadRequestError
@@ -81,12 +85,16 @@ def _prefix_messages(engine: Engine, body: dict[str, Any]) -> None:
             continue
         msgs = a.pop("prefix_messages")
         param = f"agents[{i}].prefix_messages"
-        if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict)
-            and set(m) == {"role", "content"}
-            and m["role"] in ("system", "user", "assistant")
-            and isinstance(m["content"], str)
-            for m in msgs
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and set(m) == {"role", "content"}
+                and m["role"] in ("system", "user", "assistant")
+                and isinstance(m["content"], str)
+                for m in msgs
+            )
         ):
             raise BadRequestError(
                 f"{param} must be a non-empty list of {{role, content}} messages "
@@ -98,6 +106,21 @@ def _prefix_messages(engine: Engine, body: dict[str, Any]) -> None:
                 f"agents[{i}]: give one of prefix, prefix_tokens or prefix_messages", param=param
             )
         a["prefix_tokens"] = list(engine.agents.prefix_from_messages(msgs))
+
+
+def session_stats(engine: Engine) -> dict[str, Any] | None:
+    """The ``sessions`` section of ``/v1/cache/stats`` (``None`` without the workflow policy).
+
+    Call it on the engine thread. Block counts are also given in bytes.
+    """
+    policy = workflow_policy_of(engine.manager.policy)
+    if policy is None:
+        return None
+    stats: dict[str, Any] = dict(policy.session_stats())
+    per_block = engine.layout.bytes_per_block
+    stats["pinned_bytes"] = stats["pinned_blocks"] * per_block
+    stats["waiting_bytes"] = stats["waiting_blocks"] * per_block
+    return stats
 
 
 def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
@@ -147,8 +170,8 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
         body = await body_of(request)
         if not isinstance(body, dict) or set(body) - {"agent_id", "event", "step"}:
             raise BadRequestError(
-                "progress is {\"agent_id\": ..., \"event\": \"step\" | \"start\" | \"complete\", "
-                "\"step\": n}; no other fields"
+                'progress is {"agent_id": ..., "event": "step" | "start" | "complete", '
+                '"step": n}; no other fields'
             )
         agent = body.get("agent_id")
         event = body.get("event", "step")
@@ -187,3 +210,18 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
             return _not_found(workflow_id)
         return JSONResponse({"object": "workflow.deleted", "workflow_id": workflow_id})
 
+    @app.delete("/v1/sessions/{session_id}", response_model=None)
+    async def end_session(session_id: str, request: Request) -> JSONResponse:
+        # Sessions are scoped per tenant as workflows are (the id a tenant's hints carry).
+        sid = scoped_id(tenant_of(request.scope), session_id)
+
+        def run(engine: Engine) -> bool:
+            policy = workflow_policy_of(engine.manager.policy)
+            return policy is not None and policy.end_session(sid)
+
+        if not await on_engine(run):
+            return JSONResponse(
+                error_body(f"session {session_id!r} is not known", code="session_not_found"),
+                status_code=404,
+            )
+        return JSONResponse({"object": "session.ended", "session_id": session_id})
