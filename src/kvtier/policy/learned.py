@@ -127,8 +127,19 @@ class _Rec:
     """One request's chain: history for learning, and the resident keys it owns."""
 
     __slots__ = (
-        "alive", "bin", "cls", "evictable", "hist", "keys", "live", "parked", "queued",
-        "res", "stack", "time", "turn",
+        "alive",
+        "bin",
+        "cls",
+        "evictable",
+        "hist",
+        "keys",
+        "live",
+        "parked",
+        "queued",
+        "res",
+        "stack",
+        "time",
+        "turn",
     )
 
     def __init__(self, cls: int, time: float, turn: int, keys: list[int]) -> None:
