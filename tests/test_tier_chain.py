@@ -67,6 +67,64 @@ def test_write_back_demotes_evicted_blocks_and_promotes_them_bit_exact() -> None
     chain.close()
 
 
+def test_deferred_demotions_copy_nothing_inside_allocate_and_lose_nothing() -> None:
+    storage, mgr = device(5)
+    chain = chain_of(storage, mgr, Tier(HostStore(), 16))
+    chain.defer_demotions = True
+    a = prompt(1000, 4)
+    data_a = compute(storage, mgr, "a", a, seed=1)
+    # b's allocate evicts a's blocks: they are queued, not copied, and the tier is empty.
+    alloc = mgr.allocate("b", prompt(2000, 4))
+    assert chain.demotions_pending == 4
+    assert chain.stats()["host"]["stored_blocks"] == 0
+    # The owner demotes before the blocks are written (here: before b's "forward pass").
+    assert chain.demote_pending() == 4 and chain.demotions_pending == 0
+    gen = torch.Generator().manual_seed(2)
+    blocks = alloc.block_table.blocks
+    storage.import_blocks(blocks, torch.randn((len(blocks), *storage.block_shape), generator=gen))
+    mgr.free("b")
+    assert chain.stats()["host"]["stored_blocks"] == 4
+    cache = KvTierCache(storage, mgr, "a2", a, tiers=chain)
+    assert cache.num_loaded_tokens == 16
+    assert torch.equal(storage.export_blocks(cache.block_table.blocks[:4]), data_a[:4])
+    cache.release()
+    chain.check()
+    mgr.check()
+    chain.close()
+
+
+def test_a_tier_load_demotes_queued_evictions_first() -> None:
+    storage, mgr = device(5)
+    chain = chain_of(storage, mgr, Tier(HostStore(), 32))
+    chain.defer_demotions = True
+    a, b = prompt(1000, 4), prompt(2000, 4)
+
+    def compute_deferred(rid: str, tokens: list[int], seed: int) -> torch.Tensor:
+        """A forward pass as the engine runs it: demote what allocate evicted, then write."""
+        blocks = mgr.allocate(rid, tokens).block_table.blocks
+        chain.demote_pending()
+        gen = torch.Generator().manual_seed(seed)
+        data = torch.randn((len(blocks), *storage.block_shape), generator=gen)
+        storage.import_blocks(blocks, data)
+        mgr.free(rid)
+        return data
+
+    data_a = compute_deferred("a", a, seed=1)
+    data_b = compute_deferred("b", b, seed=2)  # evicts a (queued, then demoted)
+    # Loading a back evicts b into the queue; the load writes b's old blocks, so the
+    # queued demotion of b must run before the load installs a.
+    cache = KvTierCache(storage, mgr, "a2", a, tiers=chain)
+    assert cache.num_loaded_tokens == 16
+    assert torch.equal(storage.export_blocks(cache.block_table.blocks[:4]), data_a[:4])
+    cache.release()
+    chain.demote_pending()
+    again = KvTierCache(storage, mgr, "b2", b, tiers=chain)
+    assert again.num_cached_tokens == 16
+    assert torch.equal(storage.export_blocks(again.block_table.blocks[:4]), data_b[:4])
+    again.release()
+    chain.close()
+
+
 def test_host_evictions_cascade_to_disk(tmp_path: Path) -> None:
     storage, mgr = device(8)
     chain = chain_of(

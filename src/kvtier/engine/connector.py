@@ -165,6 +165,10 @@ class KVConnector:
         return total
 
     # -- background work ----------------------------------------------------------------
+    def demote_pending(self) -> int:
+        """Copy the step's device evictions down a tier (before anything rewrites them)."""
+        return self.tiers.demote_pending() if self.tiers is not None else 0
+
     @property
     def stores_pending(self) -> bool:
         return self.tiers is not None and self.tiers.stores_pending

@@ -145,8 +145,6 @@ class Engine:
         model_id = config.model_id or "model"
         block_size = config.cache.block_size
         kv_cache_dtype = config.cache.kv_cache_dtype
-        max_num_seqs = config.scheduler.max_num_seqs
-        budget = config.scheduler.token_budget
         prefix_caching = config.cache.prefix_caching
         sampling_defaults = config.sampling_defaults
         write_mode = config.write_mode
@@ -173,6 +171,12 @@ class Engine:
         )
         num_blocks = plan.num_blocks
         max_model_len = plan.max_model_len
+        # max_num_seqs left unset is sized here, from the cache the plan gives.
+        scheduler_config = config.scheduler.resolve(plan, str(self.device))
+        max_num_seqs = scheduler_config.max_num_seqs
+        budget = scheduler_config.max_num_batched_tokens
+        assert max_num_seqs is not None and budget is not None
+        self._seqs_line = config.scheduler.describe_seqs(plan, str(self.device))
         bare = bare_chat_tokens(tokenizer)
         if bare is not None:
             check_min_request(plan, bare)
@@ -192,6 +196,9 @@ class Engine:
         self.tier_chain: TierChain | None = (
             TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
         )
+        if self.tier_chain is not None:
+            # Evictions are demoted once per step by the connector, not inside allocate.
+            self.tier_chain.defer_demotions = True
         #: The memory-pressure controller (``None`` without pressure handling).
         self.pressure: PressureController | None = None
         if pressure is not None:
@@ -263,9 +270,7 @@ class Engine:
                 num_blocks=num_blocks,
                 policy=policy_name,
             ),
-            scheduler=dataclasses.replace(
-                config.scheduler, max_num_batched_tokens=budget, max_model_len=max_model_len
-            ),
+            scheduler=scheduler_config,
             pressure=pressure if isinstance(pressure, PressureSpec) else None,
             sampling_defaults=dict(self.sampling_defaults),
         )
@@ -338,7 +343,7 @@ class Engine:
             f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
             f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB, {stored}), policy "
             f"{stats.policy}, prefix caching {'on' if self.prefix_caching else 'off'}",
-            f"scheduler: up to {self.max_num_seqs} requests at once in one batch of at most "
+            f"scheduler: {self._seqs_line}, in one batch of at most "
             f"{self.max_num_batched_tokens} tokens a step, max_model_len {self.max_model_len}",
         ]
         d = self.sampling_defaults
@@ -551,6 +556,9 @@ class Engine:
         self.poll_background()
         plan = self.scheduler.schedule()
         outs = plan.outputs
+        # The step's evictions go down a tier now, in one batch, before the pass
+        # writes into their blocks (allocate only queued them).
+        self.connector.demote_pending()
         if plan.batch:
             result = self.runner.execute(plan.batch)
             if result.ran:

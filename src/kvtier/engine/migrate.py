@@ -295,6 +295,7 @@ def attach(engine: Engine, dep: Departure, request_id: str | None = None) -> str
     assert dep.payload is not None
     try:
         if hit < len(blocks):
+            engine.connector.demote_pending()  # the imported blocks may be just-evicted ones
             engine.storage.import_blocks(blocks[hit:], dep.payload[hit : len(blocks)])
     except (BadRequestError, RuntimeError) as exc:
         manager.abort(rid, hit * bs)

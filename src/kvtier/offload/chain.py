@@ -15,7 +15,9 @@
   the rest. Nothing unverified reaches the device.
 * **Demote**: each tier writes back or through. A write-back tier receives
   blocks when the level above evicts them: the device's evictions are copied
-  to the first tier before the device reuses the blocks, and a block a tier
+  to the first tier before the device writes the blocks again (at once, or,
+  with ``defer_demotions``, queued and copied in one batch per step by
+  :meth:`demote_pending`), and a block a tier
   evicts goes down to the next write-back tier. A write-through tier stores
   every block as soon as it is computed (:meth:`store_computed`). By default
   shared media (Redis) write through, so other engines can hit a prefix at
@@ -67,7 +69,7 @@ from kvtier.offload.codec import RawCodec
 from kvtier.offload.compress import CompressionResult, compress
 from kvtier.offload.device_tier import DeviceStore
 from kvtier.offload.manager import OffloadingEvent
-from kvtier.offload.media import BlockStore, ItemFormat, PutItem
+from kvtier.offload.media import BlockStore, ItemFormat, PutItem, stage
 from kvtier.offload.promote import LoadBatch, PendingLoad, Reader, install, plan_batches
 from kvtier.offload.swap import SwappedRequest
 from kvtier.offload.tier import Tier, write_mode_of
@@ -132,6 +134,10 @@ class TierChain:
             tier.medium.bind(ns, tier.capacity, fmt.payload_size)
             if tier.medium.caps.persistent:
                 self._adopt_persistent(tier)
+        #: Queue device evictions for :meth:`demote_pending` instead of copying them inside
+        #: the pool's ``allocate`` (an engine that flushes them before each write sets it).
+        self.defer_demotions = False
+        self._demotions: list[tuple[list[int], list[int]]] = []
         if self.tiers[0].writes_back:
             device_manager.add_evict_listener(self._on_device_evict)
 
@@ -243,6 +249,7 @@ class TierChain:
 
     def finish_load(self, pending: PendingLoad) -> int:
         """Wait for ``pending``'s reads, verify and install them; returns the blocks loaded."""
+        self.demote_pending()  # the load writes device blocks some eviction may still need
         jobs = [b.job for b in pending.batches if b.job >= 0]
         waiting = [j for j in jobs if j not in self._load_results]
         done = self.transfer.wait(waiting) if waiting else []
@@ -302,13 +309,44 @@ class TierChain:
 
     # -- demote ------------------------------------------------------------------------
     def _on_device_evict(self, keys: list[int], blocks: list[int]) -> None:
-        """Pool listener: copy evicted blocks to the first tier before they are reused."""
+        """Pool listener: demote evicted blocks to the first tier before they are rewritten.
+
+        With :attr:`defer_demotions` the blocks are only queued here (the
+        pool's ``allocate`` does no copy) and :meth:`demote_pending` copies a
+        step's evictions in one batch before anything writes those blocks.
+        """
+        if self.defer_demotions:
+            self._demotions.append((list(keys), list(blocks)))
+            return
+        self._demote(list(keys), list(blocks))
+
+    def _demote(self, keys: list[int], blocks: list[int]) -> None:
         try:
             with self._lock:
                 self._store_blocks(0, keys, blocks)
-        except Exception:  # a listener must never break the pool's eviction
+        except Exception:  # a failed demotion must never break the pool's eviction
             log.exception("demoting %d evicted blocks failed; they are lost", len(keys))
             self.tiers[0].counters.store_failures += len(keys)
+
+    @property
+    def demotions_pending(self) -> int:
+        """Evicted device blocks queued for :meth:`demote_pending`."""
+        return sum(len(keys) for keys, _ in self._demotions)
+
+    def demote_pending(self) -> int:
+        """Copy the queued device evictions to the first tier; returns how many blocks.
+
+        The owner calls this before anything writes device blocks again (a
+        forward pass, a copy-on-write copy, an imported block); the chain's
+        own loads call it first too.
+        """
+        if not self._demotions:
+            return 0
+        queued, self._demotions = self._demotions, []
+        keys = [k for ks, _ in queued for k in ks]
+        blocks = [b for _, bs in queued for b in bs]
+        self._demote(keys, blocks)
+        return len(keys)
 
     @property
     def write_mode(self) -> str:
@@ -407,11 +445,12 @@ class TierChain:
             tier.counters.stored_blocks += len(items)
             tier.counters.stored_bytes += nbytes
             return
-        # A snapshot: the device blocks (or host slots) may be reused before the write runs.
         # Raw payloads are views of device blocks (or host slots) that may be
-        # reused before the write runs; int8/fp8 encodes are already fresh memory.
+        # reused before the write runs: snapshot them, with room for the header
+        # in front so a one-value medium sends header and payload without
+        # another copy. int8/fp8 encodes are already fresh memory.
         if tier.codec.codec_id == RawCodec.codec_id:
-            items = [(k, s, p.clone(), f) for k, s, p, f in items]
+            items = [(k, s, stage(p), f) for k, s, p, f in items]
         snap = items
         job = self.transfer.submit("store", _Writer(tier.medium, snap), t)
         self._pending[job] = (t, out.keys_to_store, nbytes)
@@ -543,6 +582,7 @@ class TierChain:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every background store has completed (or failed)."""
+        self.demote_pending()
         with self._lock:
             jobs = list(self._pending)
         if jobs:
@@ -566,6 +606,7 @@ class TierChain:
         """Load the item under ``key`` on tier ``t`` (adopted from a shared medium if another
         engine stored it) into device ``block``, verified; ``consume`` then drops it from the
         tier. Whether it loaded."""
+        self.demote_pending()
         with self._lock:
             tier = self.tiers[t]
             if not tier.offload_manager.is_ready(key) and not tier.adopt_present([key]):
