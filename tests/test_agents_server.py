@@ -149,6 +149,29 @@ def test_serve_prefetch_flags(capsys: pytest.CaptureFixture[str]) -> None:
         tiny_engine(block_size=4, num_blocks=32, prefetch=prefetch)
 
 
+def test_hints_on_completions_are_applied(server: Any) -> None:
+    base = server.base
+    client = server.client()
+    before = httpx.get(f"{base}/v1/cache/stats").json()["sessions"]
+    client.completions.create(
+        model=MODEL,
+        prompt="a completion in a tool session " * 3,
+        max_tokens=3,
+        temperature=0.0,
+        extra_body={"kvtier": {"session_id": "completion-1", "cache_ttl_s": 60}},
+    )
+    after = httpx.get(f"{base}/v1/cache/stats").json()["sessions"]
+    # The session hint reached the cache: a new live session pins its blocks.
+    assert after["live"] == before["live"] + 1
+    assert after["pinned_bytes"] > before["pinned_bytes"]
+    assert httpx.delete(f"{base}/v1/sessions/completion-1").status_code == 200
+    bad = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1, "kvtier": {"cache_ttl_s": -1}},
+    )
+    assert bad.status_code == 400
+
+
 def test_sessions_end_by_hint_or_endpoint_and_show_in_the_stats(server: Any) -> None:
     base = server.base
     client = server.client()

@@ -158,7 +158,12 @@ def test_another_encoder_or_revision_never_gets_the_output() -> None:
     enc2, calls2 = counting_encoder(new_weights)
     cache.get_or_encode(item(1), enc2)
     assert len(calls2) == 1
+    another_model = EncoderSpec.make("org/another-vlm", "vision", "image", revision="r1")
+    enc3, calls3 = counting_encoder(another_model)
+    cache.get_or_encode(item(1), enc3)
+    assert len(calls3) == 1
     assert cache.reset(model="org/vlm") == 2
+    assert cache.reset(model="org/another-vlm") == 1
     assert len(cache) == 0 and cache.bytes_held == 0
     cache.check()
 

@@ -139,15 +139,28 @@ def test_a_blob_of_another_shape_or_dtype_is_a_counted_miss(tmp_path: Path) -> N
     assert lease.source == "encoder"
 
 
-def test_another_model_never_reads_the_blob(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "other_spec",
+    [
+        EncoderSpec.make("org/another-vlm", "vision", "image", revision="r1"),
+        EncoderSpec.make("org/vlm", "vision", "image", revision="r2"),
+    ],
+    ids=["another model", "another revision"],
+)
+def test_another_model_never_reads_the_blob(tmp_path: Path, other_spec: EncoderSpec) -> None:
     url = f"disk:{tmp_path}?size=1MiB"
     EncoderCache(1 << 20, tiers=[url]).get_or_encode(MediaItem("image", b"x"), encoder())
-    other_spec = EncoderSpec.make("org/vlm", "vision", "image", revision="r2")
     calls: list[int] = []
     cache = EncoderCache(1 << 20, tiers=[url])
     enc = FunctionEncoder(other_spec, lambda it: calls.append(1) or torch.zeros(4, 8))
     lease = cache.acquire(MediaItem("image", b"x"), enc, pin=False)
     assert lease.source == "encoder" and calls == [1]
+    # The model that stored it reads it back from the tier, without encoding.
+    again = EncoderCache(1 << 20, tiers=[url])
+    mine: list[int] = []
+    enc_mine = FunctionEncoder(SPEC, lambda it: mine.append(1) or torch.zeros(4, 8))
+    assert again.acquire(MediaItem("image", b"x"), enc_mine, pin=False).source != "encoder"
+    assert mine == []
 
 
 def test_reset_frees_a_model_on_the_tiers(tmp_path: Path) -> None:

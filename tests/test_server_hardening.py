@@ -305,15 +305,24 @@ def test_a_full_queue_is_429_with_retry_after(limited: Server) -> None:
             started.set()
         done.set()
 
-    t = threading.Thread(target=hold, daemon=True)
-    t.start()
-    assert started.wait(30)
-    r = _post(limited, "/v1/chat/completions", CHAT)
-    if not done.is_set():  # the long request still runs: the one slot is taken
+    engine = limited.worker.engine
+    eos = engine.eos_token_ids
+    # No end-of-sequence token: the random model cannot end the long request early,
+    # so it surely holds the one slot when the next request arrives.
+    engine.eos_token_ids = frozenset()
+    try:
+        t = threading.Thread(target=hold, daemon=True)
+        t.start()
+        assert started.wait(30)
+        r = _post(limited, "/v1/chat/completions", CHAT)
+        assert not done.is_set()
         err = _error(r, 429)
         assert err["code"] == "rate_limit_exceeded"
         assert 1 <= int(r.headers["retry-after"]) <= 60
-    t.join(60)
+        t.join(60)
+        assert done.is_set()
+    finally:
+        engine.eos_token_ids = eos
     assert _post(limited, "/v1/chat/completions", CHAT).status_code == 200
 
 

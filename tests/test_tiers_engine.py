@@ -34,10 +34,11 @@ def prompts(n: int, seed: int = 0, length: int = 37) -> list[list[int]]:
     return [shared + torch.randint(3, 60, (length - 20,), generator=g).tolist() for _ in range(n)]
 
 
-def run(engine: Engine, prompt: list[int]) -> Any:
+def run(engine: Engine, prompt: list[int]) -> tuple[Any, list[int]]:
+    """The final output of a greedy run and every token it generated."""
     outs = list(engine.generate(prompt, GREEDY))
     assert outs and outs[-1].finished
-    return outs[-1]
+    return outs[-1], [t for out in outs for t in out.token_ids]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,11 @@ def test_engine_with_host_and_disk_tiers_matches_reference(
     ps = prompts(6)
     for _round in range(2):
         for p in ps:
-            got = run(eng, p)
-            ref = run(reference, p)
+            got, got_tokens = run(eng, p)
+            ref, ref_tokens = run(reference, p)
+            assert got_tokens == ref_tokens
             assert got.finish_reason == ref.finish_reason
-            assert got.metrics.completion_tokens == ref.metrics.completion_tokens
+            assert got.metrics.completion_tokens == ref.metrics.completion_tokens == len(ref_tokens)
     # The second round found prefixes the small device pool had evicted.
     assert eng.counters.loaded_prompt_tokens > 0
     st = eng.tier_chain.stats() if eng.tier_chain else {}

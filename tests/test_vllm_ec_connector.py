@@ -90,11 +90,20 @@ def test_a_consumer_instance_loads_what_a_producer_saved(tmp_path: Path) -> None
     assert not missing and cache == {}
 
 
-def test_another_model_never_gets_the_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "other",
+    [{"model_id": "org/another-vlm"}, {"revision": "new-weights"}],
+    ids=["another model", "another revision"],
+)
+def test_another_model_never_gets_the_output(tmp_path: Path, other: dict[str, str]) -> None:
     tier = f"disk:{tmp_path}?size=1MiB"
-    produce(tier, "hash-a", torch.randn(ROWS, DIM))
-    found, cache = consume(tier, "hash-a", revision="new-weights")
+    out = torch.randn(ROWS, DIM)
+    produce(tier, "hash-a", out)
+    found, cache = consume(tier, "hash-a", **other)
     assert not found and cache == {}
+    # The producer's own model still finds it: the miss is the other model's key.
+    found, cache = consume(tier, "hash-a")
+    assert found and torch.equal(cache["hash-a"], out)
 
 
 def test_a_corrupt_blob_is_skipped_and_vllm_encodes(tmp_path: Path) -> None:
