@@ -1,13 +1,15 @@
 """Models whose attention kvtier does not implement are refused before any weight is read.
 
-kvtier's blocks hold full-attention K/V per KV head. A sliding-window,
-chunked, linear-attention, Mamba or MLA model served through them would
-answer differently from the model itself, so every entry point (probing a
-model directory, loading it, building an engine or a ``KvTierCache`` from a
-loaded model, ``kvtier serve --model DIR``) refuses such a model with a
-``ConfigError`` naming its attention type. The families that are admitted
-are checked here the other way round: tiny random models of each give the
-tokens Hugging Face's own greedy decoding gives.
+kvtier's blocks hold K/V per KV head, read by full causal or sliding-window
+attention. A chunked, linear-attention, Mamba, MLA, attention-sink or
+soft-capped model served through them would answer differently from the
+model itself (as would sliding windows in a family not checked for them), so
+every entry point (probing a model directory, loading it, building an engine
+or a ``KvTierCache`` from a loaded model, ``kvtier serve --model DIR``)
+refuses such a model with a ``ConfigError`` naming its attention type. The
+families that are admitted are checked here the other way round: tiny
+random models of each, with and without a sliding window that binds, give
+the tokens Hugging Face's own greedy decoding gives.
 """
 
 from __future__ import annotations
@@ -46,22 +48,34 @@ def _config(cls_name: str, **fields: Any) -> Any:
 
 #: (config class, extra fields, words the refusal must contain)
 UNSUPPORTED = [
-    ("Gemma3TextConfig", {"sliding_window": 32, "head_dim": 16}, "sliding-window attention"),
-    ("GptOssConfig", {"sliding_window": 32, "head_dim": 16, "num_local_experts": 4},
-     "sliding-window attention"),
+    (
+        "Gemma3TextConfig",
+        {"sliding_window": 32, "head_dim": 16, "use_bidirectional_attention": True},
+        "bidirectional attention",
+    ),
+    ("Gemma3Config", {}, "image tokens"),
+    (
+        "GptOssConfig",
+        {"sliding_window": 32, "head_dim": 16, "num_local_experts": 4},
+        "attention sinks",
+    ),
+    ("MinistralConfig", {"sliding_window": 32}, "sliding-window attention"),
     ("Llama4TextConfig", {"attention_chunk_size": 32, "head_dim": 16}, "chunked local attention"),
     ("Qwen3NextConfig", {"head_dim": 16}, "linear attention"),
     ("FalconH1Config", {"head_dim": 16}, "Mamba"),
     ("JambaConfig", {}, "Mamba"),
-    ("DeepseekV3Config", {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-                          "qk_nope_head_dim": 8, "v_head_dim": 16},
-     "multi-head latent attention"),
-    ("MistralConfig", {"sliding_window": 32}, "sliding-window attention"),
-    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
-     "sliding-window attention"),
-    ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
-     "sliding-window attention"),
-    ("Gemma2Config", {"head_dim": 16}, "sliding-window attention"),
+    (
+        "DeepseekV3Config",
+        {
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+        "multi-head latent attention",
+    ),
+    ("Gemma2Config", {"head_dim": 16}, "soft-capping"),
     ("GPT2Config", {}, "has not been checked"),
 ]
 
@@ -77,6 +91,16 @@ def unsupported(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, A
         pytest.fail(f"transformers {transformers.__version__} has no {cls_name}")
     if cls_name == "GPT2Config":
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
+    elif cls_name == "Gemma3Config":  # a vision-language model around a Gemma 3 text model
+        config = transformers.Gemma3Config(
+            text_config={**_SMALL, "head_dim": 16, "sliding_window": 32},
+            vision_config={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            },
+        )
     else:
         config = _config(cls_name, **fields)
     # Only the config is saved: if anything tried to read weights it would
@@ -113,7 +137,7 @@ def test_serve_refuses_with_one_line(
 
 @pytest.mark.parametrize(
     "cls_name",
-    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV3Config", "MistralConfig"],
+    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV3Config", "Gemma2Config"],
 )
 def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
     """A model already in memory (no files to probe) is refused when the engine is built."""
@@ -124,6 +148,25 @@ def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
         Engine(model, tiny_tokenizer(), model_id="refused", num_blocks=64, block_size=4)
 
 
+def test_an_engine_refuses_a_gemma3_vision_language_model() -> None:
+    """Its decoder alone would pass: the wrapper's image attention is what rules it out."""
+    config = transformers.Gemma3Config(
+        text_config={**_SMALL, "vocab_size": len(tiny_tokenizer()), "head_dim": 16},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with pytest.raises(ConfigError, match="image tokens"):
+        Engine(model, tiny_tokenizer(), model_id="refused", num_blocks=64, block_size=4)
+
+
 def test_a_config_without_model_type_is_refused() -> None:
     fields = {"num_hidden_layers": 2, "num_attention_heads": 4}
     with pytest.raises(ConfigError, match="model_type"):
@@ -131,12 +174,28 @@ def test_a_config_without_model_type_is_refused() -> None:
 
 
 def test_a_window_longer_than_the_context_never_binds() -> None:
-    """Mistral's 4k window on a 4k-position model hides nothing: served as full attention."""
-    fields = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}
+    """A window on a family served as full attention only passes if it hides nothing."""
+    fields = {"model_type": "llama", "sliding_window": 4096, "max_position_embeddings": 4096}
     check_supported(fields.get)
     fields["max_position_embeddings"] = 32768
     with pytest.raises(ConfigError, match="sliding_window=4096"):
         check_supported(fields.get)
+    # Mistral's window is applied, so a binding one is served too.
+    check_supported({**fields, "model_type": "mistral", "num_hidden_layers": 2}.get)
+
+
+def test_sliding_layers_are_refused_outside_the_checked_families() -> None:
+    fields = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        check_supported(fields.get)
+    check_supported({**fields, "model_type": "gemma3_text"}.get)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        check_supported({**fields, "model_type": "gemma3_text", "sliding_window": None}.get)
 
 
 def test_the_default_gguf_model_is_supported() -> None:
@@ -150,8 +209,23 @@ def test_the_default_gguf_model_is_supported() -> None:
 SUPPORTED = [
     ("LlamaConfig", {}),
     ("MistralConfig", {"sliding_window": None}),
+    ("MistralConfig", {"sliding_window": 8}),
     ("Qwen2Config", {}),
+    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     ("Qwen3Config", {"head_dim": 16}),
+    (
+        "Qwen3Config",
+        {"head_dim": 16, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+        },
+    ),
 ]
 
 
@@ -160,7 +234,14 @@ def test_every_supported_family_is_exercised() -> None:
     assert covered == SUPPORTED_MODEL_TYPES
 
 
-@pytest.mark.parametrize(("cls_name", "fields"), SUPPORTED, ids=lambda v: str(v)[:12])
+@pytest.mark.parametrize(
+    ("cls_name", "fields"),
+    SUPPORTED,
+    ids=[
+        c.removesuffix("Config") + ("-window" if f.get("sliding_window") else "")
+        for c, f in SUPPORTED
+    ],
+)
 def test_supported_families_give_hf_greedy_tokens(cls_name: str, fields: dict[str, Any]) -> None:
     """Through the batched engine, twice (the second time from the cached prefix)."""
     tok = tiny_tokenizer()

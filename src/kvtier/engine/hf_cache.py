@@ -43,13 +43,21 @@ def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayo
     """The KV block layout of a transformers decoder config.
 
     Raises :class:`ConfigError` for a model kvtier cannot serve exactly
-    (:func:`kvtier.engine.support.check_supported`).
+    (:func:`kvtier.engine.support.check_supported`). Sliding-window layers
+    (:mod:`kvtier.engine.attention_spec`) keep the same per-block geometry as
+    full ones: every block holds every layer's K/V.
     """
     from kvtier.engine.model import geometry
     from kvtier.engine.support import check_supported
 
     text = getattr(config, "text_config", None) or config  # vision-language: the decoder's
-    check_supported(lambda name: getattr(text, name, None))
+
+    def get(name: str) -> object:
+        # Whether the decoder serves images decides how some families attend (Gemma 3).
+        source = config if name == "vision_config" else text
+        return getattr(source, name, None)
+
+    check_supported(get)
     layers, _, kv_heads, head_dim = geometry(lambda name: getattr(text, name, None))
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:

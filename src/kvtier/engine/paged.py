@@ -12,6 +12,15 @@ sequence's whole K/V back through its block table into a padded batch
 ``[B, heads, L_max, head_dim]``, and runs one ``scaled_dot_product_attention``
 with a mask that keeps every query to its own sequence's past.
 
+A sliding-window layer (the model passes its ``sliding_window``, as it does
+to transformers' own attention functions) sees only the keys at positions
+``p - window < k <= p`` for a query at ``p``, transformers' convention
+(:mod:`kvtier.engine.attention_spec`). It also gathers less: only the
+blocks from the first one holding a key it can see, so a long context costs
+such a layer about one window of K/V per query, not the whole past. The
+blocks themselves stay allocated for every layer (a block holds all layers'
+K/V, and full layers and the prefix cache need them).
+
 All writes of a layer happen before its reads, so a sequence may read blocks
 another sequence of the same pass is computing (a prefix they share).
 Called without batch metadata (``model(...)`` outside the engine, or with a
@@ -28,6 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.attention_spec import first_visible
+from kvtier.errors import ConfigError
+from kvtier.layout import cdiv
 from kvtier.storage import KVBlockStorage
 
 #: The attention implementation name models are switched to.
@@ -54,12 +66,21 @@ class BatchMeta:
     (strided whole-block gathers copy far more than they read): sequence
     ``i`` reads rows for the first ``NB`` blocks of its table, padded with its
     first block, and the mask hides positions past its length.
+
+    A sliding-window layer reads less: :meth:`window` gathers, per sequence,
+    only the blocks from the one holding the first key any of its queries in
+    this pass can see, with a mask that also hides keys older than the window.
+    Each window's view is built once per pass, at the first layer that asks.
     """
 
     __slots__ = (
         "B",
         "NB",
         "Q",
+        "_num_new",
+        "_seqs",
+        "_starts",
+        "_windows",
         "decode_only",
         "kv_rows",
         "mask",
@@ -71,53 +92,86 @@ class BatchMeta:
 
     def __init__(self, storage: KVBlockStorage, seqs: Sequence[SeqSlice]) -> None:
         device = storage.device
-        bs = storage.layout.block_size
         self.storage = storage
         self.B = len(seqs)
         self.Q = Q = max(s.num_new for s in seqs)
-        self.NB = NB = max(-(-(s.start + s.num_new) // bs) for s in seqs)
-        L = NB * bs
         #: Every sequence brings one token in order (pure decode): queries need no reshuffling.
         self.decode_only = Q == 1
+        self._seqs = seqs
+        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         new_slots: list[int] = []
-        kv_slots: list[int] = []
         q_gather: list[int] = []
         q_scatter: list[int] = []
-        lengths: list[int] = []
-        starts: list[int] = []
         t = 0
         for i, s in enumerate(seqs):
-            n = s.start + s.num_new
-            new_slots.extend(s.slots[s.start : n])
-            blocks = [s.slots[p] // bs for p in range(0, n, bs)]
-            blocks += [blocks[0]] * (NB - len(blocks))  # padding, masked out
-            kv_slots.extend(b * bs + j for b in blocks for j in range(bs))
+            new_slots.extend(s.slots[s.start : s.start + s.num_new])
             if not self.decode_only:
                 q_gather.extend(range(t, t + s.num_new))
                 q_gather.extend([t] * (Q - s.num_new))
                 q_scatter.extend(range(i * Q, i * Q + s.num_new))
-            lengths.append(n)
-            starts.append(s.start)
             t += s.num_new
+        self._starts = torch.tensor([s.start for s in seqs], device=device)
+        self._num_new = torch.tensor([s.num_new for s in seqs], device=device)
         self.new_rows = storage.slot_rows(torch.tensor(new_slots, dtype=torch.int64))
-        self.kv_rows = storage.slot_rows(torch.tensor(kv_slots, dtype=torch.int64))
         self.q_gather = torch.tensor(q_gather, dtype=torch.int64, device=device)
         self.q_scatter = torch.tensor(q_scatter, dtype=torch.int64, device=device)
-        # Query j of sequence i sits at position starts[i] + j and sees keys 0 .. that position.
-        qpos = torch.tensor(starts, device=device)[:, None] + torch.arange(Q, device=device)
-        kpos = torch.arange(L, device=device)
-        mask = kpos[None, None, :] <= qpos[:, :, None]
-        # Padded query rows see key 0 only (an all-masked row would be NaN); they are dropped.
-        pad = torch.arange(Q, device=device)[None, :] >= torch.tensor(
-            [s.num_new for s in seqs], device=device
-        )[:, None]
-        mask = mask & ~pad[:, :, None]
-        mask[:, :, 0] |= pad
-        self.mask = mask[:, None, :, :]
+        self.kv_rows, self.mask, self.NB = self._view([0] * self.B, None)
 
     @property
     def num_tokens(self) -> int:
         return int(self.new_rows.shape[0])
+
+    def window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_rows, mask)`` for a layer whose queries see the last ``window`` positions."""
+        view = self._windows.get(window)
+        if view is None:
+            bs = self.storage.layout.block_size
+            first = [first_visible(s.start, window) // bs for s in self._seqs]
+            last_query = max(s.start + s.num_new - 1 for s in self._seqs)
+            if not any(first) and last_query < window:
+                view = (self.kv_rows, self.mask)  # the window hides nothing in this pass
+            else:
+                rows, mask, _ = self._view(first, window)
+                view = (rows, mask)
+            self._windows[window] = view
+        return view
+
+    def _view(
+        self, first: Sequence[int], window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Rows and mask when sequence ``i`` reads from its block ``first[i]`` on.
+
+        Returns ``(kv_rows, mask, NB)``: ``NB`` blocks per sequence, padded with
+        its first read block; the mask is ``[B, 1, Q, NB * block_size]``.
+        """
+        storage = self.storage
+        device = storage.device
+        bs = storage.layout.block_size
+        seqs = self._seqs
+        NB = max(cdiv(s.start + s.num_new, bs) - b for s, b in zip(seqs, first, strict=True))
+        kv_blocks: list[int] = []
+        for s, b in zip(seqs, first, strict=True):
+            n = s.start + s.num_new
+            blocks = [s.slots[p] // bs for p in range(b * bs, n, bs)]
+            blocks += [blocks[0]] * (NB - len(blocks))  # padding, masked out
+            kv_blocks.extend(blocks)
+        # One slot per block in Python; the block_size slots of each are expanded by torch.
+        kv_slots = torch.tensor(kv_blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)
+        rows = storage.slot_rows(kv_slots.flatten())
+        # Query j of sequence i sits at position starts[i] + j and sees keys up to that
+        # position (and, in a sliding layer, after position - window).
+        qpos = self._starts[:, None] + torch.arange(self.Q, device=device)
+        kpos = torch.tensor(first, device=device)[:, None] * bs + torch.arange(
+            NB * bs, device=device
+        )
+        mask = kpos[:, None, :] <= qpos[:, :, None]
+        if window is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        # Padded query rows see key 0 only (an all-masked row would be NaN); they are dropped.
+        pad = torch.arange(self.Q, device=device)[None, :] >= self._num_new[:, None]
+        mask = mask & ~pad[:, :, None]
+        mask[:, :, 0] |= pad
+        return rows, mask[:, None, :, :], NB
 
 
 def paged_attention(
@@ -146,11 +200,23 @@ def paged_attention(
             **kwargs,
         )
         return out, None
+    if kwargs.get("softcap") is not None:
+        raise ConfigError(
+            "kvtier's paged attention does not implement attention logit soft-capping: "
+            "serve this model with an engine that does"
+        )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     storage = meta.storage
     # [1, heads, T, dim] -> [T, heads, dim]
     storage.write_rows(layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    k, v = storage.read_rows(layer, meta.kv_rows)  # [B * NB * block_size, kv_heads, dim]
+    # The model passes each layer's window (None for full attention), as it does to
+    # transformers' own attention functions.
+    window = kwargs.get("sliding_window")
+    if isinstance(window, int) and window > 0:
+        rows, mask = meta.window(window)
+    else:
+        rows, mask = meta.kv_rows, meta.mask
+    k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
     B, Q = meta.B, meta.Q
     kv_heads, dim = k.shape[1], k.shape[2]
     k = k.view(B, -1, kv_heads, dim).transpose(1, 2)
@@ -161,7 +227,7 @@ def paged_attention(
     else:
         q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=heads != kv_heads
+        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads
     )
     # [B, heads, Q, dim] -> [B * Q, heads, dim] -> the real tokens, in pass order
     out = out.transpose(1, 2).reshape(B * Q, heads, dim)

@@ -1,50 +1,91 @@
 """Which model architectures kvtier serves exactly, decided from the config alone.
 
-kvtier stores one K and one V per KV head for every token of every layer and
-lets every query attend to its sequence's whole past. That is exactly what a
-plain decoder with full causal attention computes, and nothing else: a
-sliding-window layer must forget tokens outside its window, a chunked local
-layer attends within its chunk, a linear-attention or Mamba layer keeps a
-fixed-size state instead of K/V, and multi-head latent attention (MLA) caches
-one compressed vector per token. Served through kvtier's blocks, such a model
-would answer differently from the model itself, without a word.
+kvtier stores one K and one V per KV head for every token of every layer.
+Its paged attention gives each query either its sequence's whole past (full
+causal attention) or the last ``sliding_window`` positions of it (a sliding
+layer, :mod:`kvtier.engine.attention_spec`). That is exactly what a plain
+decoder computes, Gemma 3's interleave of sliding and full layers included,
+and nothing else: a chunked local layer attends within its chunk, a
+linear-attention or Mamba layer keeps a fixed-size state instead of K/V,
+multi-head latent attention (MLA) caches one compressed vector per token,
+attention sinks add a learned logit to every softmax, and soft-capping bends
+the attention logits. Served through kvtier's blocks, such a model would
+answer differently from the model itself, without a word.
 
 :func:`check_supported` reads only config fields (a ``config.json``, a GGUF
 file's metadata or a loaded config object), so a server refuses a model it
 cannot serve exactly before any weight is read. Families are admitted by an
 allow-list of architectures whose attention is known to match, and even then
-a config that switches on a feature kvtier does not implement (a sliding
-window on Mistral or Qwen2, ``layer_types`` other than full attention) is
-refused, naming the attention type.
+a config that switches on a feature kvtier does not implement is refused,
+naming the attention type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.engine.attention_spec import SLIDING, attention_spec
 from kvtier.errors import ConfigError
 
-#: ``model_type`` values whose every layer is full causal attention over
-#: per-head K/V (with the feature checks below): served exactly.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: ``model_type`` values whose every layer is full causal attention or
+#: sliding-window attention over per-head K/V (with the feature checks below):
+#: served exactly.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+
+#: Of those, the families whose sliding-window layers have been checked
+#: against the model's own answers (the others must be full attention).
+SLIDING_WINDOW_MODEL_TYPES = frozenset({"gemma3_text", "mistral", "qwen2", "qwen3"})
 
 #: Known families kvtier does not serve yet, by the attention type that rules them out.
 _KNOWN_UNSUPPORTED = {
-    "sliding-window attention": (
-        "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gpt_oss",
-        "cohere2", "mistral3", "ministral", "exaone4", "olmo3", "smollm3",
+    "sliding-window attention in a family kvtier has not checked it for": (
+        "cohere2",
+        "mistral3",
+        "ministral",
+        "exaone4",
+        "olmo3",
+        "smollm3",
     ),
+    "attention logit soft-capping": ("gemma2",),
+    (
+        "Gemma 3's image-text form, where image tokens attend to each other both ways "
+        "(kvtier serves the text model, model_type gemma3_text)"
+    ): ("gemma3",),
+    "layers that reuse other layers' K/V (cross-layer KV sharing)": (
+        "gemma3n",
+        "gemma3n_text",
+    ),
+    "attention sinks (a learned logit in every softmax)": ("gpt_oss",),
     "chunked local attention": ("llama4", "llama4_text"),
     "linear attention (a hybrid model with a recurrent state per layer)": (
-        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-        "minimax", "lfm2", "lfm2_moe",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "minimax",
+        "lfm2",
+        "lfm2_moe",
     ),
     "Mamba / state-space layers": (
-        "mamba", "mamba2", "jamba", "falcon_h1", "falcon_mamba", "bamba", "zamba",
-        "zamba2", "granitemoehybrid", "nemotron_h", "plamo2",
+        "mamba",
+        "mamba2",
+        "jamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "bamba",
+        "zamba",
+        "zamba2",
+        "granitemoehybrid",
+        "nemotron_h",
+        "plamo2",
     ),
     "multi-head latent attention (MLA)": (
-        "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_linear", "longcat_flash",
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+        "kimi_linear",
+        "longcat_flash",
         "glm4_moe_lite",
     ),
 }
@@ -60,8 +101,9 @@ _LAYER_KIND = {
 }
 
 _ADVICE = (
-    "kvtier serves decoder-only models whose every layer is full causal attention "
-    f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); serve this model with an engine that "
+    "kvtier serves decoder-only models built from full causal attention layers "
+    f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}) and sliding-window attention layers "
+    f"({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}); serve this model with an engine that "
     "implements its attention, or pick a supported model"
 )
 
@@ -75,12 +117,12 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
     """
     model_type = get("model_type")
     name = model_type if isinstance(model_type, str) and model_type else None
-    feature = _unsupported_feature(get)
     if name is not None and name in _FAMILY_OF:
         raise ConfigError(
             f"{source} is a {name!r} model, which uses {_FAMILY_OF[name]}: "
             f"not supported yet. {_ADVICE}"
         )
+    feature = _unsupported_feature(get, name)
     if feature is not None:
         what = f"a {name!r} model" if name else "a model"
         raise ConfigError(f"{source} is {what} configured with {feature}: not supported. {_ADVICE}")
@@ -93,23 +135,37 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
         )
 
 
-def _unsupported_feature(get: Callable[[str], object]) -> str | None:
+def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str | None:
     """The first config feature kvtier does not implement, described; ``None`` if none."""
+    sliding_ok = name in SLIDING_WINDOW_MODEL_TYPES
     layer_types = get("layer_types")
     if isinstance(layer_types, (list, tuple)):
-        odd = sorted({str(t) for t in layer_types if t != "full_attention"})
+        allowed = {"full_attention", SLIDING} if sliding_ok else {"full_attention"}
+        odd = sorted({str(t) for t in layer_types if t not in allowed})
         if odd:
             kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
             return " and ".join(kinds) + f" (layer_types has {', '.join(odd)})"
     window = get("sliding_window")
     positions = get("max_position_embeddings")
-    if (
+    if sliding_ok and _positive(get("num_hidden_layers")):
+        try:
+            attention_spec(get)
+        except ConfigError as exc:
+            return f"an attention plan kvtier cannot read ({exc})"
+    elif (
         _positive(window)
         and get("use_sliding_window") is not False
         # A window at least as long as the context never hides a token.
         and not (_positive(positions) and window >= positions)  # type: ignore[operator]
     ):
         return f"sliding-window attention (sliding_window={window})"
+    if get("use_bidirectional_attention") is True:
+        return "bidirectional attention (use_bidirectional_attention is true)"
+    if name == "gemma3_text" and get("vision_config") is not None:
+        return (
+            "bidirectional attention over image tokens "
+            "(a Gemma 3 vision-language model; its text model alone is served)"
+        )
     chunk = get("attention_chunk_size")
     if _positive(chunk):
         return f"chunked local attention (attention_chunk_size={chunk})"
