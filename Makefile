@@ -21,7 +21,7 @@ COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py s
   src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
 .PHONY: serve run replay test test-latest lock test-compiled test-pure lint typecheck bench venv \
-  peers clean redis-server libibverbs
+  peers clean redis-server libibverbs dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -100,6 +100,10 @@ lock:
 	printf '%s\n' '# The versions `make test` last passed with (`make lock` writes this file).' \
 	  '# Every install in the Makefile is held to them; pyproject.toml keeps ranges.' \
 	  | cat - $(CONSTRAINTS).new > $(CONSTRAINTS) && rm $(CONSTRAINTS).new
+
+## An sdist and a wheel in dist/ (mypyc-compiled; KVTIER_PURE_PYTHON=1 for pure Python).
+dist: venv
+	mkdir -p dist && cd dist && $(abspath $(BIN))/python -m build --no-isolation --outdir . ..
 
 ## redis-server from Debian's packages, for the Redis tier's tests (real servers, no mocks).
 redis-server:
