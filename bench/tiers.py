@@ -17,7 +17,9 @@ same bytes, a raw ceiling moves the blocks' bytes without kvtier:
   system, then read back with ``readinto`` straight into the destination
   blocks;
 * Redis: redis-py pipelined SETs of values of the same size to the same
-  server, then pipelined GETs.
+  server (the values built before the clock starts), then pipelined GETs,
+  with the client configured as kvtier's (hiredis reply parsing where it is
+  installed, values sent without a copy).
 
 Throughput is block bytes (fp32, what the device gives and gets back) per
 second, so a codec that stores fewer bytes can beat the ceiling on media
@@ -99,8 +101,7 @@ from kvtier.storage import KVBlockStorage
 BLOCK_SIZE = 16
 QUESTION_TOKENS = 64
 CODECS = ("raw", "int8", "fp8")
-TARGET_RATIO = 0.70
-
+TARGET_RATIO = 0.80
 
 
 # -- redis-server ---------------------------------------------------------------------------
@@ -121,13 +122,20 @@ def redis_server() -> Iterator[str]:
     proc = subprocess.Popen(
         [
             exe,
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", workdir,
-            "--daemonize", "no",
-            "--loglevel", "warning",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -297,7 +305,11 @@ class Ceiling:
             import redis
 
             assert redis_url is not None
-            self.client = redis.Redis.from_url(redis_url)
+            from kvtier.offload.redis_store import zero_copy_packer
+
+            # Configured as kvtier's own client is (hiredis parses replies where it
+            # is installed, values go out without a copy): the best redis-py does.
+            self.client = redis.Redis.from_url(redis_url, command_packer=zero_copy_packer())
             self.round = 0
 
     def run(self, cold: bool) -> dict[str, float]:
@@ -457,8 +469,7 @@ def throughput(
         "block_bytes": rig.block_bytes,
         "bytes_per_run": nbytes,
         "stored_bytes_per_block": {
-            c: HEADER_SIZE
-            + make_codec(c).payload_size(rig.storage.block_shape, rig.storage.dtype)
+            c: HEADER_SIZE + make_codec(c).payload_size(rig.storage.block_shape, rig.storage.dtype)
             for c in codecs
         },
         "repeat": repeat,
@@ -593,8 +604,10 @@ def ttft(
                         }
                     )
                     lossy = name == "device tier"
-                    if (token != want and not lossy) or cached != want_cached or (
-                        loaded_tokens != want_loaded
+                    if (
+                        (token != want and not lossy)
+                        or cached != want_cached
+                        or (loaded_tokens != want_loaded)
                     ):
                         raise SystemExit(
                             f"check failed for {name}: token {token} (full forward: {want}), "
@@ -687,8 +700,10 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         redis_url = None if args.skip_redis else stack.enter_context(redis_server())
         if not args.skip_throughput:
-            log(f"throughput: {args.blocks} blocks x {layout.bytes_per_block:,} bytes, "
-                f"{args.repeat} repeats ...")
+            log(
+                f"throughput: {args.blocks} blocks x {layout.bytes_per_block:,} bytes, "
+                f"{args.repeat} repeats ..."
+            )
             tp = throughput(layout, model_id, args.blocks, args.repeat, kinds, codecs, redis_url)
             result["throughput"] = tp
         if not args.skip_ttft:
@@ -721,8 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         short = [
             f"{r['tier']}/{r['codec']}/{r['direction']}"
             for r in tp["rows"]
-            if r["codec"] == "raw" and r["direction"] != "load-cold"
-            and r["ratio"] < TARGET_RATIO
+            if r["codec"] == "raw" and r["direction"] != "load-cold" and r["ratio"] < TARGET_RATIO
         ]
         print(
             f"raw rows below the {TARGET_RATIO:.0%} target: "

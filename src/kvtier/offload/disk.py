@@ -20,11 +20,38 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from kvtier.errors import ConfigError, InternalInvariantError, TierUnavailableError
-from kvtier.offload.codec import as_buffer, make_header
-from kvtier.offload.media import MediumCaps, PutItem, Stored, split_blob
+from kvtier.offload.codec import HEADER_SIZE, as_buffer, pack_header
+from kvtier.offload.media import MediumCaps, PutItem, Stored
 
 _SUFFIX = ".kvb"
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+
+
+def _write_all(fd: int, header: bytes, data: memoryview) -> None:
+    """Write ``header`` then ``data`` to ``fd``, resuming after short writes."""
+    size = len(header) + len(data)
+    done = os.writev(fd, [header, data])
+    while done < size:
+        if done < len(header):
+            done += os.writev(fd, [header[done:], data])
+        else:
+            done += os.write(fd, data[done - len(header) :])
+
+
+def _read_all(fd: int, buf: memoryview) -> int:
+    """Fill ``buf`` from ``fd`` (fewer bytes only at the end of the file); bytes read."""
+    got = 0
+    while got < len(buf):
+        n = os.readv(fd, [buf[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
 
 log = logging.getLogger("kvtier.offload")
 
@@ -56,30 +83,39 @@ class DiskStore:
                 tmp.unlink()
 
     def path(self, key: int) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: int) -> str:
         name = f"{key:032x}"
-        return self._dir / name[:2] / (name + _SUFFIX)
+        return f"{self._dir}/{name[:2]}/{name}{_SUFFIX}"
 
     def put(self, items: Sequence[PutItem]) -> None:
         if not self._bound:
             raise InternalInvariantError("DiskStore used before bind()")
+        pid = os.getpid()
         for key, _slot, payload, fmt in items:
             cpu = payload.cpu() if payload.device.type != "cpu" else payload
-            header = make_header(fmt.codec, key, fmt.shape, fmt.dtype, cpu)
-            final = self.path(key)
-            tmp = final.with_name(f"{final.name}.tmp{os.getpid()}")
+            data = as_buffer(cpu.reshape(-1))
+            header = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, data)
+            final = self._file(key)
+            tmp = f"{final}.tmp{pid}"
             try:
-                if not final.parent.is_dir():
-                    self._make_dir(final.parent)
-                with open(tmp, "wb") as f:
-                    f.write(header)
-                    f.write(as_buffer(cpu))
+                try:
+                    fd = os.open(tmp, _WRITE_FLAGS, 0o666)
+                except FileNotFoundError:
+                    self._make_dir(Path(final).parent)
+                    fd = os.open(tmp, _WRITE_FLAGS, 0o666)
+                try:
+                    # Header and payload in one system call, neither copied into the other.
+                    _write_all(fd, header, data)
                     if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, final)
             except OSError as exc:
                 with contextlib.suppress(OSError):
-                    tmp.unlink()
+                    os.unlink(tmp)
                 raise TierUnavailableError(
                     f"cannot write block file {final}: {exc}; check the disk tier's space "
                     "and permissions"
@@ -99,34 +135,36 @@ class DiskStore:
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
         out: list[Stored | None] = []
         for key, _slot in items:
+            path = self._file(key)
             try:
-                with open(self.path(key), "rb", buffering=0) as f:
-                    # Read straight into the buffer kept (f.read() and a bytearray of
-                    # it would copy every block twice).
-                    blob = bytearray(os.fstat(f.fileno()).st_size)
-                    got = f.readinto(blob)
-                    if got is not None and got < len(blob):
-                        del blob[got:]  # shrank while read: the checksum will tell
+                fd = os.open(path, _READ_FLAGS)
             except FileNotFoundError:
                 out.append(None)
                 continue
             except OSError as exc:
-                raise TierUnavailableError(
-                    f"cannot read block file {self.path(key)}: {exc}"
-                ) from None
-            out.append(split_blob(blob))
+                raise TierUnavailableError(f"cannot read block file {path}: {exc}") from None
+            try:
+                # Straight into the buffer kept (torch.empty: no zero fill first).
+                buf = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8)
+                got = _read_all(fd, as_buffer(buf))
+            except OSError as exc:
+                raise TierUnavailableError(f"cannot read block file {path}: {exc}") from None
+            finally:
+                os.close(fd)
+            # A file that shrank while read comes back short: the checksum will tell.
+            out.append((bytes(as_buffer(buf[: min(got, HEADER_SIZE)])), buf[HEADER_SIZE:got]))
         return out
 
     def delete(self, items: Sequence[tuple[int, int]]) -> None:
         for key, _slot in items:
             with contextlib.suppress(FileNotFoundError):
-                self.path(key).unlink()
+                os.unlink(self._file(key))
 
     def purge(self, items: Sequence[tuple[int, int]]) -> None:
         self.delete(items)  # nobody else reads this medium
 
     def contains(self, keys: Sequence[int]) -> list[bool]:
-        return [self.path(k).is_file() for k in keys]
+        return [os.path.isfile(self._file(k)) for k in keys]
 
     def scan(self) -> list[int]:
         """Keys of the block files present, oldest modification first."""

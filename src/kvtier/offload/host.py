@@ -17,7 +17,7 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.offload.codec import PAYLOAD_LENGTH_OFFSET as _LENGTH_AT
-from kvtier.offload.codec import make_header
+from kvtier.offload.codec import as_buffer, pack_header
 from kvtier.offload.media import MediumCaps, PutItem, Stored
 
 
@@ -88,8 +88,9 @@ class HostStore:
             dest.copy_(flat, non_blocking=payload.device.type != "cpu")
             if payload.device.type != "cpu":
                 torch.cuda.current_stream(payload.device).synchronize()
-            # Checksummed where it now sits, so a copy gone wrong is caught on load.
-            header = make_header(fmt.codec, key, fmt.shape, fmt.dtype, dest)
+            # Checksummed where it now sits (still in cache from the copy), so a
+            # copy gone wrong is caught on load.
+            header = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, as_buffer(dest))
             if store is not None:
                 store[key] = (header, dest)
             else:

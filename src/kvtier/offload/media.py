@@ -25,13 +25,14 @@ anything is decoded.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kvtier.offload.codec import HEADER_SIZE, Codec, make_header
+from kvtier.offload.codec import HEADER_SIZE, Codec, as_buffer, make_header, pack_header
 
 # torch.frombuffer on immutable bytes warns that the tensor is read-only;
 # stored payloads are only ever read.
@@ -123,9 +124,51 @@ class BlockStore(Protocol):
 
 
 def pack_blob(fmt: ItemFormat, key: int, payload: torch.Tensor) -> bytes:
-    """Header plus payload as one ``bytes`` value (for files and Redis values)."""
+    """Header plus payload as one ``bytes`` value (for media that need ``bytes``)."""
+    return bytes(blob_view(fmt, key, payload))
+
+
+def stage(payload: torch.Tensor) -> torch.Tensor:
+    """A snapshot of ``payload`` (on the CPU) with room for its header in front.
+
+    The returned tensor is the copy of the payload; :func:`blob_view` later
+    writes the header into the bytes before it and hands header and payload
+    out as one buffer, so a medium that stores one value per block (a Redis
+    string) sends it without another copy.
+    """
+    flat = payload.reshape(-1)
+    blob = torch.empty(HEADER_SIZE + int(flat.numel()), dtype=torch.uint8)
+    view = blob[HEADER_SIZE:]
+    view.copy_(flat)
+    vid = id(view)
+    _staged[vid] = weakref.ref(blob)
+    # Dropped with the view, before its id can be reused.
+    weakref.finalize(view, _staged.pop, vid, None)
+    return view
+
+
+_staged: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def blob_view(fmt: ItemFormat, key: int, payload: torch.Tensor) -> memoryview:
+    """Header plus payload as one contiguous buffer.
+
+    A payload from :func:`stage` gets its header written in place (no copy);
+    any other is copied once into a new buffer after its header.
+    """
+    ref = _staged.get(id(payload))
+    blob = ref() if ref is not None else None
+    if blob is not None and payload._base is blob:
+        out = as_buffer(blob)
+        out[:HEADER_SIZE] = make_header(fmt.codec, key, fmt.shape, fmt.dtype, payload)
+        return out
     cpu = payload.cpu() if payload.device.type != "cpu" else payload
-    return make_header(fmt.codec, key, fmt.shape, fmt.dtype, cpu) + cpu.numpy().tobytes()
+    data = as_buffer(cpu.reshape(-1))
+    # torch.empty: no zero fill of bytes that are overwritten at once.
+    out = as_buffer(torch.empty(HEADER_SIZE + len(data), dtype=torch.uint8))
+    out[HEADER_SIZE:] = data
+    out[:HEADER_SIZE] = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, data)
+    return out
 
 
 def split_blob(blob: bytes | bytearray | memoryview) -> Stored:

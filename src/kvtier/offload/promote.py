@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.errors import CorruptBlockError
-from kvtier.offload.codec import RawCodec, verify
+from kvtier.offload.codec import RawCodec, decode_into, verify
 from kvtier.offload.media import BlockStore, Stored
 from kvtier.offload.tier import Tier
 from kvtier.storage import KVBlockStorage
@@ -90,18 +90,20 @@ def install(storage: KVBlockStorage, tier: Tier, batch: LoadBatch) -> Installed:
         header, payload = got
         try:
             codec = verify(header, payload, key, fmt.shape, fmt.dtype)
-            started = time.perf_counter()
+        except CorruptBlockError as exc:
+            c.corrupt_blocks += 1
+            return Installed(n, key, exc)
+        started = time.perf_counter()
+        if direct is not None:
+            # Decoded straight into the device block: no intermediate block.
+            decode_into(codec, payload, direct[block])
+            recoded = codec.codec_id != RawCodec.codec_id
+        else:
             # The pool's own format is imported as it is; anything else is
             # decoded (and, into a quantized pool, quantized again).
             as_is = native is not None and codec.codec_id == native.codec_id
             tensor = payload if as_is else codec.decode(payload, fmt.shape, fmt.dtype)
             recoded = not as_is and (codec.codec_id != RawCodec.codec_id or native is not None)
-        except CorruptBlockError as exc:
-            c.corrupt_blocks += 1
-            return Installed(n, key, exc)
-        if direct is not None:
-            direct[block].copy_(tensor)
-        else:
             storage.load_block(block, tensor)
         if recoded:
             c.decode_seconds += time.perf_counter() - started
