@@ -56,8 +56,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from kvtier.errors import (
     ConfigError,
     KvTierError,
@@ -65,16 +63,16 @@ from kvtier.errors import (
 from kvtier.manager import KVCacheManager
 from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload import swap
-from kvtier.offload.codec import RawCodec
 from kvtier.offload.compress import CompressionResult, compress
+from kvtier.offload.demote import Demoter
 from kvtier.offload.device_tier import DeviceStore
 from kvtier.offload.manager import OffloadingEvent
-from kvtier.offload.media import BlockStore, ItemFormat, PutItem, stage
+from kvtier.offload.media import ItemFormat
 from kvtier.offload.promote import LoadBatch, PendingLoad, Reader, install, plan_batches
 from kvtier.offload.swap import SwappedRequest
 from kvtier.offload.tier import Tier, write_mode_of
 from kvtier.offload.transfer import TransferEngine, TransferResult
-from kvtier.storage import KVBlockStorage, QuantizedKVBlockStorage
+from kvtier.storage import KVBlockStorage
 
 log = logging.getLogger("kvtier.offload")
 
@@ -110,7 +108,8 @@ class TierChain:
         self._own_transfer = transfer is None
         ns = namespace or f"{device_manager.namespace_root:032x}"[:16]
         self.namespace = ns
-        self._pending: dict[int, tuple[int, list[int], int]] = {}  # job -> (tier, keys, bytes)
+        #: Every write to the tiers (encoding, room, cascades, background stores).
+        self._demoter = Demoter(storage, self.tiers, self.transfer)
         # Serializes the chain's bookkeeping between the engine thread and
         # callers that read stats or swap from elsewhere.
         self._lock = threading.RLock()
@@ -323,7 +322,7 @@ class TierChain:
     def _demote(self, keys: list[int], blocks: list[int]) -> None:
         try:
             with self._lock:
-                self._store_blocks(0, keys, blocks)
+                self._demoter.store_blocks(0, keys, blocks)
         except Exception:  # a failed demotion must never break the pool's eviction
             log.exception("demoting %d evicted blocks failed; they are lost", len(keys))
             self.tiers[0].counters.store_failures += len(keys)
@@ -367,141 +366,13 @@ class TierChain:
             self._poll_locked()
             for t, tier in enumerate(self.tiers):
                 if not tier.writes_back:
-                    self._store_blocks(t, list(keys), list(blocks), cascade=False)
-
-    def _store_blocks(
-        self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
-    ) -> None:
-        """Store device ``blocks`` under ``keys`` on tier ``t``."""
-        payloads = self._encode_device(t, blocks)
-        self._store_payloads(t, keys, payloads, cascade=cascade)
-
-    def _encode_device(self, t: int, blocks: list[int]) -> list[torch.Tensor]:
-        tier = self.tiers[t]
-        codec = tier.codec
-        storage = self.storage
-        started = time.perf_counter()
-        if isinstance(storage, QuantizedKVBlockStorage):
-            if codec.codec_id == storage.codec.codec_id:
-                # The pool already holds this codec's payloads: no decode, no re-encode.
-                return list(storage.export_payloads(blocks))
-            exported = storage.export_blocks(blocks)
-            out = [codec.encode(exported[i]) for i in range(len(blocks))]
-        elif storage.layout_kind == "block":
-            # Views of the device blocks: the host tier copies straight from them.
-            data = storage.tensor
-            out = [codec.encode(data[b]) for b in blocks]
-        else:
-            exported = storage.export_blocks(blocks)
-            out = [codec.encode(exported[i]) for i in range(len(blocks))]
-        if codec.codec_id != RawCodec.codec_id or storage.codec is not None:
-            tier.counters.encode_seconds += time.perf_counter() - started
-        return out
-
-    def _store_payloads(
-        self, t: int, keys: list[int], payloads: list[torch.Tensor], *, cascade: bool = True
-    ) -> None:
-        tier = self.tiers[t]
-        mgr = tier.offload_manager
-        out = mgr.prepare_store(keys)
-        # More than the tier can make room for: keep the last keys (a demoted
-        # batch lists children before parents, and parents serve more prefixes).
-        kept = len(keys)
-        while out is None and kept > 1:
-            kept //= 2
-            out = mgr.prepare_store(keys[-kept:])
-        if out is None:
-            tier.counters.dropped_blocks += len(keys)
-            return
-        tier.counters.dropped_blocks += len(keys) - kept
-        if not out.keys_to_store and not out.evicted_keys:
-            return
-        # Evicted blocks go down a tier; read them before their slots are reused.
-        if out.evicted_keys and cascade and self._next_writes_back(t):
-            self._cascade(t, out.evicted_keys, out.evicted_slots)
-        elif out.evicted_keys and tier.medium.caps.background:
-            try:
-                tier.medium.delete(list(zip(out.evicted_keys, out.evicted_slots, strict=True)))
-            except KvTierError as exc:
-                tier.health.failed(exc)
-        index = {k: i for i, k in enumerate(keys)}
-        fmt = tier.fmt
-        assert fmt is not None
-        items: list[PutItem] = [
-            (k, s, payloads[index[k]], fmt)
-            for k, s in zip(out.keys_to_store, out.slots, strict=True)
-        ]
-        nbytes = sum(int(p.numel()) for _, _, p, _ in items)
-        if not tier.medium.caps.background:
-            try:
-                tier.medium.put(items)
-            except Exception as exc:
-                mgr.complete_store(out.keys_to_store, success=False)
-                tier.counters.store_failures += len(items)
-                tier.health.store_failed(exc)
-                return
-            tier.health.store_ok()
-            mgr.complete_store(out.keys_to_store, success=True)
-            tier.counters.stored_blocks += len(items)
-            tier.counters.stored_bytes += nbytes
-            return
-        # Raw payloads are views of device blocks (or host slots) that may be
-        # reused before the write runs: snapshot them, with room for the header
-        # in front so a one-value medium sends header and payload without
-        # another copy. int8/fp8 encodes are already fresh memory.
-        if tier.codec.codec_id == RawCodec.codec_id:
-            items = [(k, s, stage(p), f) for k, s, p, f in items]
-        snap = items
-        job = self.transfer.submit("store", _Writer(tier.medium, snap), t)
-        self._pending[job] = (t, out.keys_to_store, nbytes)
-
-    def _next_writes_back(self, t: int) -> bool:
-        """Whether tier ``t + 1`` exists and takes what tier ``t`` evicts (write-back)."""
-        return t + 1 < len(self.tiers) and self.tiers[t + 1].writes_back
-
-    def _cascade(self, t: int, keys: list[int], slots: list[int]) -> None:
-        """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``."""
-        tier = self.tiers[t]
-        if not self._next_writes_back(t):
-            if tier.medium.caps.background:
-                try:
-                    tier.medium.delete(list(zip(keys, slots, strict=True)))
-                except KvTierError as exc:
-                    tier.health.failed(exc)
-            return
-        if tier.medium.caps.background:
-            # Payloads on disk or in Redis would need a read to move down;
-            # the lower tier keeps what write-through or earlier demotions put there.
-            return
-        try:
-            got = tier.medium.get(list(zip(keys, slots, strict=True)))
-        except KvTierError:
-            return
-        fmt = tier.fmt
-        assert fmt is not None
-        below = self.tiers[t + 1]
-        down_keys: list[int] = []
-        down: list[torch.Tensor] = []
-        for key, stored in zip(keys, got, strict=True):
-            if stored is None:
-                continue
-            payload = stored[1]
-            if below.codec.codec_id == tier.codec.codec_id:
-                down.append(payload.clone())
-            else:
-                started = time.perf_counter()
-                block = tier.codec.decode(payload, fmt.shape, fmt.dtype)
-                down.append(below.codec.encode(block).clone())
-                below.counters.encode_seconds += time.perf_counter() - started
-            down_keys.append(key)
-        if down_keys:
-            self._store_payloads(t + 1, down_keys, down)
+                    self._demoter.store_blocks(t, list(keys), list(blocks), cascade=False)
 
     # -- completion ------------------------------------------------------------------------
     @property
     def stores_pending(self) -> bool:
         """Whether background stores are still in flight (a :meth:`poll` will finish them)."""
-        return bool(self._pending)
+        return bool(self._demoter.pending)
 
     def poll(self) -> int:
         """Finish background stores that completed; returns how many jobs ended."""
@@ -516,24 +387,12 @@ class TierChain:
             if r.kind == "load" and r.job_id in self._load_jobs:
                 self._load_results[r.job_id] = r  # its finish_load takes it
                 continue
-            if r.kind != "store":
-                continue
-            meta = self._pending.pop(r.job_id, None)
-            if meta is None:
+            if r.kind != "store" or r.job_id not in self._demoter.pending:
                 continue
             handled += 1
-            t, keys, nbytes = meta
-            tier = self.tiers[t]
-            if r.ok:
-                tier.offload_manager.complete_store(keys, success=True)
-                tier.counters.stored_blocks += len(keys)
-                tier.counters.stored_bytes += nbytes
-                tier.health.store_ok()
+            t = self._demoter.finish(r)
+            if t is not None:
                 self._reachable(t)
-            else:
-                tier.offload_manager.complete_store(keys, success=False)
-                tier.counters.store_failures += len(keys)
-                tier.health.store_failed(r.error)
         self._maybe_reconcile()
         return handled
 
@@ -584,7 +443,7 @@ class TierChain:
         """Wait until every background store has completed (or failed)."""
         self.demote_pending()
         with self._lock:
-            jobs = list(self._pending)
+            jobs = list(self._demoter.pending)
         if jobs:
             results = self.transfer.wait(jobs, timeout)
             with self._lock:
@@ -600,7 +459,7 @@ class TierChain:
         """Store device ``blocks`` under ``keys`` on tier ``t`` now (cascading what it evicts)."""
         with self._lock:
             self._poll_locked()
-            self._store_blocks(t, list(keys), list(blocks), cascade=True)
+            self._demoter.store_blocks(t, list(keys), list(blocks), cascade=True)
 
     def load_block(self, t: int, key: int, block: int, *, consume: bool = False) -> bool:
         """Load the item under ``key`` on tier ``t`` (adopted from a shared medium if another
@@ -727,14 +586,3 @@ class TierChain:
 def _counted(template: str) -> Callable[[int], str]:
     """A summary line for a count of held-back events: ``template`` with ``{}`` for it."""
     return template.format
-
-
-class _Writer:
-    """A store job: write payload snapshots to a medium."""
-
-    def __init__(self, store: BlockStore, items: list[PutItem]) -> None:
-        self.store = store
-        self.items = items
-
-    def __call__(self) -> None:
-        self.store.put(self.items)
