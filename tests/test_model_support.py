@@ -65,7 +65,7 @@ UNSUPPORTED = [
     ("FalconH1Config", {"head_dim": 16}, "Mamba"),
     ("JambaConfig", {}, "Mamba"),
     (
-        "DeepseekV3Config",
+        "DeepseekV2Config",
         {
             "kv_lora_rank": 16,
             "q_lora_rank": 32,
@@ -137,7 +137,7 @@ def test_serve_refuses_with_one_line(
 
 @pytest.mark.parametrize(
     "cls_name",
-    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV3Config", "Gemma2Config"],
+    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV2Config", "Gemma2Config"],
 )
 def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
     """A model already in memory (no files to probe) is refused when the engine is built."""
@@ -224,6 +224,23 @@ SUPPORTED = [
             "query_pre_attn_scalar": 16,
             "sliding_window": 8,
             "sliding_window_pattern": 2,
+        },
+    ),
+    (
+        "DeepseekV3Config",
+        {
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "num_key_value_heads": 4,  # MLA decompresses one K/V per attention head
         },
     ),
 ]

@@ -88,6 +88,16 @@ class _KvTierLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        heads = self._owner.storage.layout.num_kv_heads
+        if key_states.dim() == 4 and key_states.shape[1] != heads:
+            # transformers' MLA models (DeepSeek V3) cache their compressed latent, one
+            # "head" wide, not per-head K and V as the blocks are laid out.
+            raise ConfigError(
+                f"this model caches {key_states.shape[1]} head(s) of "
+                f"{key_states.shape[-1]}/{value_states.shape[-1]} values per token (a "
+                f"compressed latent?), but the KV blocks hold {heads} heads of K and V: a "
+                "KvTierCache cannot hold it; serve the model with kvtier's Engine"
+            )
         k, v = self._owner._update(self, key_states, value_states)
         self.keys, self.values = k, v
         return k, v

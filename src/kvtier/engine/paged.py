@@ -207,6 +207,10 @@ def paged_attention(
         )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     storage = meta.storage
+    v_dim = value.shape[-1]
+    if v_dim < key.shape[-1]:
+        # MLA: V is narrower than K; a block row holds K's width, V zero-padded.
+        value = F.pad(value, (0, key.shape[-1] - v_dim))
     # [1, heads, T, dim] -> [T, heads, dim]
     storage.write_rows(layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1))
     # The model passes each layer's window (None for full attention), as it does to
@@ -221,6 +225,8 @@ def paged_attention(
     kv_heads, dim = k.shape[1], k.shape[2]
     k = k.view(B, -1, kv_heads, dim).transpose(1, 2)
     v = v.view(B, -1, kv_heads, dim).transpose(1, 2)
+    if v_dim < dim:
+        v = v[..., :v_dim]
     heads = query.shape[1]
     if meta.decode_only:  # token t is sequence t's one query
         q = query[0].transpose(0, 1).unsqueeze(2)
@@ -230,7 +236,7 @@ def paged_attention(
         q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads
     )
     # [B, heads, Q, dim] -> [B * Q, heads, dim] -> the real tokens, in pass order
-    out = out.transpose(1, 2).reshape(B * Q, heads, dim)
+    out = out.transpose(1, 2).reshape(B * Q, heads, v_dim)
     if not meta.decode_only:
         out = out.index_select(0, meta.q_scatter)
     return out.unsqueeze(0), None

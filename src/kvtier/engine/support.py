@@ -30,7 +30,13 @@ from kvtier.errors import ConfigError
 #: ``model_type`` values whose every layer is full causal attention or
 #: sliding-window attention over per-head K/V (with the feature checks below):
 #: served exactly.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v3"}
+)
+
+#: Of those, the families with multi-head latent attention (MLA), served with their
+#: K and V decompressed per head (see :func:`kvtier.engine.model.geometry`).
+MLA_MODEL_TYPES = frozenset({"deepseek_v3"})
 
 #: Of those, the families whose sliding-window layers have been checked
 #: against the model's own answers (the others must be full attention).
@@ -82,7 +88,6 @@ _KNOWN_UNSUPPORTED = {
     ),
     "multi-head latent attention (MLA)": (
         "deepseek_v2",
-        "deepseek_v3",
         "kimi_k2",
         "kimi_linear",
         "longcat_flash",
@@ -169,7 +174,7 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
     chunk = get("attention_chunk_size")
     if _positive(chunk):
         return f"chunked local attention (attention_chunk_size={chunk})"
-    if _positive(get("kv_lora_rank")):
+    if _positive(get("kv_lora_rank")) and name not in MLA_MODEL_TYPES:
         return "multi-head latent attention (MLA: kv_lora_rank is set)"
     for field in ("attn_logit_softcapping", "attention_logit_softcapping"):
         if get(field) not in (None, 0, 0.0):

@@ -1,0 +1,169 @@
+"""Multi-head latent attention (DeepSeek V3) served by the engine with Hugging Face's tokens.
+
+A tiny random-weight DeepSeek V3 (MLA with a query LoRA, mixture-of-experts
+layers after the first) generates through kvtier's batched engine: its K and
+V are decompressed per head by the model, and kvtier's blocks hold K's width
+(the no-rope part plus the rotary part) with V zero-padded to it. Single
+requests, batches with chunked prompts and preemption, a prefix hit and a host
+tier round trip all give the tokens of transformers' own greedy ``generate``.
+transformers caches this model's compressed latent instead, one "head" wide:
+a ``KvTierCache`` refuses it with a message that names the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tiny_model import tiny_tokenizer  # noqa: E402
+
+from kvtier.engine import Engine, KvTierCache, SamplingParams, attach, layout_for_model  # noqa: E402
+from kvtier.engine.model import geometry  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.manager import KVCacheManager  # noqa: E402
+from kvtier.offload.host import HostStore  # noqa: E402
+from kvtier.offload.tier import Tier  # noqa: E402
+from kvtier.storage import KVBlockStorage  # noqa: E402
+
+BS = 4
+#: qk_nope 16 + qk_rope 8 = 24 wide K per head; V 16 wide (padded to 24 in the blocks).
+MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+
+
+def _config(tok: Any) -> Any:
+    return transformers.DeepseekV3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        **MLA,
+    )
+
+
+class DeepSeek:
+    """The tiny model for engines, an untouched copy for references, and their cache."""
+
+    def __init__(self) -> None:
+        self.tok = tiny_tokenizer()
+        torch.manual_seed(0)
+        self.reference = transformers.DeepseekV3ForCausalLM(_config(self.tok)).eval()
+        self.reference.generation_config.eos_token_id = None
+        self.model = copy.deepcopy(self.reference)
+        self._refs: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self._refs:
+            with torch.no_grad():
+                out = self.reference.generate(
+                    torch.tensor([prompt]), max_new_tokens=n, do_sample=False
+                )
+            self._refs[key] = out[0, len(prompt) :].tolist()
+        return self._refs[key]
+
+    def engine(self, **kw: Any) -> Engine:
+        kw.setdefault("num_blocks", 64)
+        return Engine(self.model, self.tok, model_id="tiny-deepseek", block_size=BS, **kw)
+
+
+@pytest.fixture(scope="module")
+def ds() -> DeepSeek:
+    return DeepSeek()
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 90, (length,), generator=g).tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _run_all(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    rids = [engine.add_request(p, _greedy(n)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+        steps += 1
+        assert steps < 2000, "the engine made no progress"
+    return [got[r] for r in rids]
+
+
+def test_the_layout_holds_decompressed_heads_as_wide_as_k(ds: DeepSeek) -> None:
+    layout = layout_for_model(ds.model.config, BS, torch.float32)
+    assert (layout.num_kv_heads, layout.head_dim) == (4, 24)
+    # config.json (probed before the weights load) gives the same geometry.
+    fields = ds.model.config.to_dict()
+    assert geometry(fields.get) == (3, 4, 4, 24)
+
+
+def test_single_requests_give_hf_generate_tokens(ds: DeepSeek) -> None:
+    engine = ds.engine()
+    for seed, length in ((1, 9), (2, 27)):
+        prompt = _prompt(seed, length)
+        assert _run_all(engine, [prompt], 10) == [ds.hf_greedy(prompt, 10)]
+    engine.manager.check()
+
+
+def test_batches_with_chunks_and_preemption(ds: DeepSeek) -> None:
+    chunked = ds.engine(max_num_seqs=4, max_num_batched_tokens=12)
+    shared = _prompt(5, 13)
+    prompts = [_prompt(6, 3), shared + _prompt(7, 20), _prompt(8, 31), shared + _prompt(9, 6)]
+    assert _run_all(chunked, prompts, 9) == [ds.hf_greedy(p, 9) for p in prompts]
+    tight = ds.engine(num_blocks=14, max_num_seqs=3)
+    prompts = [_prompt(10, 19), _prompt(11, 17), _prompt(12, 21)]
+    assert _run_all(tight, prompts, 11) == [ds.hf_greedy(p, 11) for p in prompts]
+    assert tight.counters.preemptions > 0
+    tight.manager.check()
+
+
+def test_a_prefix_hit_and_a_host_tier_round_trip(ds: DeepSeek) -> None:
+    engine = ds.engine(num_blocks=16, tiers=[Tier(HostStore(), 64)])
+    prompts = [_prompt(20 + i, 29) for i in range(4)]
+    for _round in range(2):
+        for prompt in prompts:
+            assert _run_all(engine, [prompt], 6) == [ds.hf_greedy(prompt, 6)]
+    assert engine.counters.loaded_prompt_tokens > 0  # evicted prefixes came back from host
+    again = ds.engine()
+    prompt = _prompt(30, 27)
+    _run_all(again, [prompt], 4)
+    outs = list(again.generate(prompt, _greedy(4)))
+    assert outs[-1].metrics.cached_tokens == 24
+    assert [t for o in outs for t in o.token_ids] == ds.hf_greedy(prompt, 4)
+    engine.close()
+
+
+def test_a_kvtier_cache_refuses_the_compressed_latent(ds: DeepSeek) -> None:
+    model = copy.deepcopy(ds.reference)
+    attach(model)
+    layout = layout_for_model(model.config, BS, torch.float32)
+    storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
+    prompt = _prompt(31, 9)
+    with KvTierCache(storage, manager, "latent", prompt) as cache:
+        with pytest.raises(ConfigError, match="serve the model with kvtier's Engine"):
+            with torch.no_grad():
+                model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=2)
