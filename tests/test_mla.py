@@ -163,7 +163,6 @@ def test_a_kvtier_cache_refuses_the_compressed_latent(ds: DeepSeek) -> None:
     layout = layout_for_model(model.config, BS, torch.float32)
     storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
     prompt = _prompt(31, 9)
-    with KvTierCache(storage, manager, "latent", prompt) as cache:
-        with pytest.raises(ConfigError, match="serve the model with kvtier's Engine"):
-            with torch.no_grad():
-                model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=2)
+    refused = pytest.raises(ConfigError, match="serve the model with kvtier's Engine")
+    with KvTierCache(storage, manager, "latent", prompt) as cache, refused, torch.no_grad():
+        model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=2)
