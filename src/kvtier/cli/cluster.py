@@ -1,0 +1,592 @@
+"""``kvtier cluster``: several ``kvtier serve`` behind a real router, started and stopped together.
+
+A user running N instances needs something in front of them that sends each
+request to the instance caching its prefix. This command starts N
+``kvtier serve`` processes on one model, optionally sharing a Redis tier (one
+given with ``--redis`` or a ``redis-server`` it starts itself), and a router
+from PyPI in front of them: vLLM's ``vllm-router`` (the default) or SGLang's
+``sglang-router``, both Rust load balancers with round-robin and cache-aware
+(approximate prefix tree) routing. It prints the router's URL, relays every
+child's output prefixed with its name, and on Ctrl-C (or SIGTERM) stops the
+router, then the instances, then Redis. If any child dies, the others are
+stopped and the command exits with status 1.
+
+Children run in their own sessions so a terminal's Ctrl-C reaches this process
+only, and the shutdown happens in order: the router first, so no request is
+sent to an instance that is going away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from kvtier.cli.args import arg, float_in, parse_memory_size, port, positive_int
+from kvtier.errors import ConfigError
+
+#: Seconds an instance may take from launch to its "serving" line (loading a model on CPU).
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+#: Seconds a child gets to exit after the stop signal before it is killed.
+STOP_GRACE_S = 15.0
+#: Lines of each child's output kept to explain its death.
+TAIL_LINES = 40
+
+_SERVING = re.compile(r"^kvtier: serving (?P<name>.+) at (?P<url>\S+)/v1\b")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: Router lines relayed without --verbose: the routers log every start step at INFO
+#: whatever their --log-level says.
+_ROUTER_NEWS = re.compile(r"\b(WARN|WARNING|ERROR|CRITICAL|Traceback|panicked)\b")
+
+
+@dataclass(frozen=True)
+class RouterKind:
+    """A router package: how to launch it and what it accepts."""
+
+    command: str
+    package: str
+    module: str
+    policies: tuple[str, ...]
+    #: The router's name for the "warnings only" log level.
+    quiet_level: str
+
+
+ROUTERS: dict[str, RouterKind] = {
+    "vllm": RouterKind(
+        command="vllm-router",
+        package="vllm-router==0.1.17",
+        module="vllm_router.launch_router",
+        policies=(
+            "cache_aware",
+            "round_robin",
+            "random",
+            "power_of_two",
+            "consistent_hash",
+            "sticky_least_loaded",
+        ),
+        quiet_level="warning",
+    ),
+    "sglang": RouterKind(
+        command="sglang-router",
+        package="sglang-router==0.3.2",
+        module="sglang_router.launch_router",
+        policies=("cache_aware", "round_robin", "random", "power_of_two"),
+        quiet_level="warn",
+    ),
+}
+
+_EPILOG = """\
+what runs:
+  N x kvtier serve --host HOST --port INSTANCE_PORT+i [--model PATH] [--tier REDIS]
+                   [SERVE_ARGS after --]
+  a router at http://HOST:PORT/v1 forwarding to them (OpenAI-compatible)
+  redis-server on 127.0.0.1 with --start-redis (nothing kept on disk)
+
+routing (--routing):
+  cache_aware   the router keeps a prefix tree of the text it sent to each instance
+                and sends a request to the instance with the longest match, unless the
+                instances' loads differ too much (the router's balance thresholds)
+  round_robin   instances in turn, whatever they cache
+  A shared Redis tier makes any instance able to load a prefix another one computed,
+  so round-robin then hits too (at the cost of moving the blocks over the network).
+
+Each instance gets OMP_NUM_THREADS = CPU cores / N unless the variable is set,
+so CPU instances do not fight over cores.
+
+examples:
+  kvtier cluster                                    # 2 instances, bundled model, vllm-router
+  kvtier cluster --instances 4 --start-redis        # sharing a Redis tier started here
+  kvtier cluster --redis redis://10.0.0.5:6379/0 --routing round_robin
+  kvtier cluster --router sglang --model ./Qwen2.5-0.5B-Instruct -- --kv-cache-memory 1GiB
+  kvtier cluster --router-arg=--cache-threshold=0.5  # any flag of the router itself
+"""
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def check_router(kind: RouterKind, routing: str) -> None:
+    """Raise ConfigError unless the router package is importable and takes ``routing``."""
+    try:
+        found = importlib.util.find_spec(kind.module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"the router {kind.command} is not installed (module {kind.module} not found): "
+            f"pip install {kind.package}, or pick the other one with --router"
+        )
+    if routing not in kind.policies:
+        raise ConfigError(
+            f"{kind.command} has no routing policy {routing!r}: use one of "
+            f"{', '.join(kind.policies)}"
+        )
+
+
+def check_redis_server() -> str:
+    """The path of ``redis-server``, or ConfigError saying how to get one."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise ConfigError(
+            "--start-redis needs redis-server on PATH: install it (apt-get install "
+            "redis-server), or point --redis at a running server"
+        )
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (another process may take it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _client_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _ping_redis(port_: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port_), timeout=timeout_s) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _get_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return 200 <= int(resp.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+# -- children -------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """One process this command started, its output relayed line by line."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    echo: bool
+    #: When set, only lines it matches are relayed (all are kept in ``tail``).
+    only: re.Pattern[str] | None = None
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+    serving: re.Match[str] | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    pump: threading.Thread | None = None
+
+    def start_pump(self, out: IO[str]) -> None:
+        self.pump = threading.Thread(target=self._relay, args=(out,), daemon=True)
+        self.pump.start()
+
+    def _relay(self, out: IO[str]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = _ANSI.sub("", line.rstrip("\n"))
+            self.tail.append(line)
+            if self.serving is None:
+                match = _SERVING.match(line)
+                if match is not None:
+                    self.serving = match
+                    self.ready.set()
+            if self.echo and (self.only is None or self.only.search(line)):
+                with contextlib.suppress(ValueError, OSError):
+                    print(f"[{self.name}] {line}", file=out, flush=True)
+        self.ready.set()  # exited: whoever waits must look at the process
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def why_dead(self) -> str:
+        return f"{self.name} exited with status {self.proc.returncode}:\n" + "\n".join(
+            f"  {line}" for line in self.tail
+        )
+
+    def send(self, sig: int) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGINT) -> None:
+        """Signal the child, wait up to STOP_GRACE_S, then kill it."""
+        self.send(sig)
+        if self.alive:
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.pump is not None:
+            self.pump.join(timeout=2)
+
+
+def _spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    echo: bool = True,
+    only: re.Pattern[str] | None = None,
+) -> Child:
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise ConfigError(f"cannot start {name} ({argv[0]}): {exc}") from None
+    child = Child(name, proc, echo, only)
+    child.start_pump(sys.stdout)
+    return child
+
+
+class _Stop(Exception):
+    """SIGINT, SIGTERM or SIGHUP: stop the cluster."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _serve_argv(args: argparse.Namespace, instance_port: int, tier: str | None) -> list[str]:
+    argv = [sys.executable, "-m", "kvtier.cli", "serve", "--host", args.host]
+    argv += ["--port", str(instance_port)]
+    if args.model:
+        argv += ["--model", os.path.expanduser(args.model)]
+    if tier:
+        argv += ["--tier", tier]
+    return argv + list(args.serve_args)
+
+
+def _instance_env(n: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _start_redis(args: argparse.Namespace, workdir: str) -> tuple[Child, str]:
+    server = check_redis_server()
+    port_ = args.redis_port or free_port()
+    argv = [
+        server,
+        "--save", "",
+        "--appendonly", "no",
+        "--port", str(port_),
+        "--bind", "127.0.0.1",
+        "--dir", workdir,
+        "--maxmemory", str(args.redis_memory),
+        "--maxmemory-policy", "allkeys-lru",
+    ]  # fmt: skip
+    child = _spawn("redis", argv, echo=args.verbose)
+    deadline = time.monotonic() + 15
+    while not _ping_redis(port_):
+        if not child.alive:
+            raise ConfigError(f"redis-server did not start: {child.why_dead()}")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"redis-server on port {port_} did not answer PING in 15s")
+        time.sleep(0.05)
+    return child, f"redis://127.0.0.1:{port_}/0"
+
+
+def _wait_serving(children: Sequence[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if not child.ready.wait(max(0.0, deadline - time.monotonic())):
+            raise ConfigError(
+                f"{child.name} printed no 'kvtier: serving' line in {timeout_s:g}s "
+                "(raise --startup-timeout for a large model on CPU)"
+            )
+        if child.serving is None:
+            raise ConfigError(f"{child.name} did not start: {child.why_dead()}")
+
+
+def _router_argv(
+    args: argparse.Namespace, kind: RouterKind, router_port: int, urls: Sequence[str]
+) -> list[str]:
+    metrics_port = args.router_metrics_port or free_port()
+    argv = [sys.executable, "-m", kind.module, "--host", args.host, "--port", str(router_port)]
+    argv += ["--worker-urls", *urls, "--policy", args.routing]
+    argv += ["--prometheus-port", str(metrics_port), "--prometheus-host", args.host]
+    argv += ["--log-level", "info" if args.verbose else kind.quiet_level]
+    return argv + list(args.router_arg or ())
+
+
+def _wait_router(child: Child, url: str, timeout_s: float) -> None:
+    """Wait until a request through the router reaches an instance (``GET /v1/models``)."""
+    deadline = time.monotonic() + timeout_s
+    while not _get_ok(f"{url}/v1/models"):
+        if not child.alive:
+            raise ConfigError(f"the router did not start: {child.why_dead()}")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the router at {url} did not answer /v1/models in {timeout_s:g}s")
+        time.sleep(0.1)
+
+
+def _watch(children: Sequence[Child]) -> Child | None:
+    """Block until Ctrl-C / SIGTERM (None) or a child's death (that child)."""
+    try:
+        while True:
+            for child in children:
+                if not child.alive:
+                    return child
+            time.sleep(0.2)
+    except (KeyboardInterrupt, _Stop):
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    kind = ROUTERS[args.router]
+    check_router(kind, args.routing)
+    if args.start_redis:
+        check_redis_server()
+    if args.instance_port and args.instance_port + args.instances - 1 > 65535:
+        raise ConfigError(
+            f"--instance-port {args.instance_port} leaves no room for {args.instances} "
+            "instances below port 65535: pick a lower one, or 0 for free ports"
+        )
+    router_port = args.port or free_port(args.host)
+    host = _client_host(args.host)
+    # SIGINT too: a shell starting this in the background leaves SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt for it.
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _raise_stop) for s in stops}
+    redis: Child | None = None
+    instances: list[Child] = []
+    router: Child | None = None
+    workdir = tempfile.mkdtemp(prefix="kvtier-cluster-")
+    try:
+        tier = args.redis
+        if args.start_redis:
+            redis, tier = _start_redis(args, workdir)
+        env = _instance_env(args.instances)
+        for i in range(args.instances):
+            instance_port = args.instance_port + i if args.instance_port else 0
+            argv = _serve_argv(args, instance_port, tier)
+            instances.append(_spawn(f"serve {i + 1}", argv, env=env, echo=True))
+        _wait_serving(instances, args.startup_timeout)
+        urls = [child.serving.group("url") for child in instances if child.serving]
+        router_argv = _router_argv(args, kind, router_port, urls)
+        router = _spawn("router", router_argv, only=None if args.verbose else _ROUTER_NEWS)
+        url = f"http://{host}:{router_port}"
+        _wait_router(router, url, args.startup_timeout)
+        name = instances[0].serving.group("name") if instances[0].serving else "?"
+        print(
+            f"kvtier: cluster of {len(instances)} kvtier serve behind {kind.command} "
+            f"({args.routing} routing)",
+            flush=True,
+        )
+        for i, (child, instance_url) in enumerate(zip(instances, urls, strict=True)):
+            print(
+                f"kvtier:   instance {i + 1}: {instance_url}/v1 (pid {child.proc.pid})", flush=True
+            )
+        if tier:
+            where = "redis-server started here" if redis else "given"
+            print(f"kvtier:   shared tier: {tier} ({where})", flush=True)
+        else:
+            print(
+                "kvtier:   no shared tier: each instance caches only what it computes",
+                flush=True,
+            )
+        print(
+            f"kvtier: cluster serving {name} at {url}/v1 (router pid {router.proc.pid}; "
+            f"try: curl {url}/v1/models); Ctrl-C stops everything",
+            flush=True,
+        )
+        died = _watch([router, *instances, *([redis] if redis else [])])
+        if died is not None:
+            print(f"kvtier: error: {died.why_dead()}", file=sys.stderr, flush=True)
+            return 1
+        print("kvtier: stopping the cluster", flush=True)
+        return 0
+    except (KeyboardInterrupt, _Stop):
+        print("kvtier: interrupted while starting; stopping", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        # The router first, so it sends nothing to an instance being stopped.
+        if router is not None:
+            router.stop(signal.SIGTERM)
+        # SIGTERM, not SIGINT: a child inherits an ignored SIGINT from a background shell.
+        for child in instances:  # all at once: they shut down in parallel
+            child.send(signal.SIGTERM)
+        for child in instances:
+            child.stop(signal.SIGTERM)
+        if redis is not None:
+            redis.stop(signal.SIGTERM)
+        shutil.rmtree(workdir, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if router is not None:
+            print("kvtier: cluster stopped", flush=True)
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    cluster = sub.add_parser(
+        "cluster",
+        help="run several kvtier serve behind a cache-aware router (vllm-router, sglang-router)",
+        description="Start N kvtier serve instances on one model, optionally sharing a Redis "
+        "tier, and a router in front of them that sends each request to the instance caching "
+        "its prefix (cache_aware) or to each in turn (round_robin). Ctrl-C stops everything. "
+        "Flags after -- go to every kvtier serve.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cluster.add_argument(
+        "--instances",
+        type=arg(positive_int, "instance count"),
+        default=2,
+        metavar="N",
+        help="kvtier serve processes to start (default 2)",
+    )
+    cluster.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a local Hugging Face model directory or .gguf file for every instance "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
+    cluster.add_argument(
+        "--router",
+        choices=tuple(ROUTERS),
+        default="vllm",
+        help="vllm: vllm-router (pip install vllm-router); sglang: sglang-router "
+        "(pip install sglang-router). Default vllm",
+    )
+    cluster.add_argument(
+        "--routing",
+        default="cache_aware",
+        metavar="POLICY",
+        help="the router's policy: cache_aware, round_robin, random, power_of_two, and the "
+        "router's own others (default cache_aware)",
+    )
+    cluster.add_argument(
+        "--host", default="127.0.0.1", help="address the router and instances listen on"
+    )
+    cluster.add_argument(
+        "--port",
+        type=arg(port, "port"),
+        default=8000,
+        help="the router's port, the one clients use; 0 picks a free one (default 8000)",
+    )
+    cluster.add_argument(
+        "--instance-port",
+        type=arg(port, "port"),
+        default=8001,
+        metavar="PORT",
+        help="the first instance's port; the others follow (default 8001: 8001, 8002, ...; "
+        "0: free ports)",
+    )
+    shared = cluster.add_mutually_exclusive_group()
+    shared.add_argument(
+        "--redis",
+        metavar="URL",
+        help="a running Redis every instance shares as a tier, e.g. redis://10.0.0.5:6379/0 "
+        "(any kvtier redis:// or redis+cluster:// tier URL)",
+    )
+    shared.add_argument(
+        "--start-redis",
+        action="store_true",
+        help="start a redis-server on 127.0.0.1 (nothing on disk, LRU at --redis-memory) "
+        "and share it as every instance's tier",
+    )
+    cluster.add_argument(
+        "--redis-port",
+        type=arg(port, "port"),
+        default=0,
+        metavar="PORT",
+        help="port of the redis-server --start-redis starts (default: a free one)",
+    )
+    cluster.add_argument(
+        "--redis-memory",
+        type=arg(parse_memory_size, "memory size"),
+        default=2 * 2**30,
+        metavar="SIZE",
+        help="maxmemory of the redis-server --start-redis starts (default 2GiB)",
+    )
+    cluster.add_argument(
+        "--router-arg",
+        action="append",
+        metavar="ARG",
+        help="an extra flag for the router, e.g. --router-arg=--cache-threshold=0.5 "
+        "(repeatable; see vllm-router --help)",
+    )
+    cluster.add_argument(
+        "--router-metrics-port",
+        type=arg(port, "port"),
+        default=0,
+        metavar="PORT",
+        help="the router's Prometheus port (default: a free one)",
+    )
+    cluster.add_argument(
+        "--startup-timeout",
+        type=arg(float_in("number of seconds", 0.0, 86400.0, open_low=True), "seconds"),
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"longest wait for an instance or the router to start "
+        f"(default {DEFAULT_STARTUP_TIMEOUT_S:g})",
+    )
+    cluster.add_argument(
+        "--verbose", action="store_true", help="relay the router's and Redis's info logs too"
+    )
+    cluster.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- SERVE_ARGS",
+        help="flags for every kvtier serve, e.g. -- --block-size 32 --max-num-seqs 8",
+    )
+    cluster.set_defaults(func=_run_checked)
+    return cluster
+
+
+def _run_checked(args: argparse.Namespace) -> int:
+    extra = list(args.serve_args or ())
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    for flag in ("--host", "--port", "--model"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise ConfigError(
+                f"{flag} after -- would override the cluster's own: use kvtier cluster's "
+                f"{'--instance-port' if flag == '--port' else flag}"
+            )
+    args.serve_args = extra
+    return run(args)
