@@ -1,13 +1,13 @@
-"""Multi-head latent attention (DeepSeek V3) served by the engine with Hugging Face's tokens.
+"""Multi-head latent attention (DeepSeek V3) served from its compressed latent, with HF's tokens.
 
 A tiny random-weight DeepSeek V3 (MLA with a query LoRA, mixture-of-experts
-layers after the first) generates through kvtier's batched engine: its K and
-V are decompressed per head by the model, and kvtier's blocks hold K's width
-(the no-rope part plus the rotary part) with V zero-padded to it. Single
-requests, batches with chunked prompts and preemption, a prefix hit and a host
-tier round trip all give the tokens of transformers' own greedy ``generate``.
-transformers caches this model's compressed latent instead, one "head" wide:
-a ``KvTierCache`` refuses it with a message that names the engine.
+layers after the first) generates through kvtier's batched engine. kvtier's
+blocks hold what the model's own cache holds: per token, the compressed
+latent (``kv_lora_rank`` values) as one head of K and the shared rotary key
+as V; the model decompresses them per head as it attends. Single requests,
+batches with chunked prompts and preemption, a prefix hit, a host tier round
+trip and ``generate`` with a ``KvTierCache`` all give the tokens of
+transformers' own greedy ``generate``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tiny_model import tiny_tokenizer  # noqa: E402
 
 from kvtier.engine import Engine, KvTierCache, SamplingParams, attach, layout_for_model  # noqa: E402
 from kvtier.engine.model import geometry  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
 from kvtier.offload.host import HostStore  # noqa: E402
 from kvtier.offload.tier import Tier  # noqa: E402
@@ -113,12 +113,15 @@ def _run_all(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]
     return [got[r] for r in rids]
 
 
-def test_the_layout_holds_decompressed_heads_as_wide_as_k(ds: DeepSeek) -> None:
+def test_a_block_holds_the_latent_not_the_decompressed_heads(ds: DeepSeek) -> None:
     layout = layout_for_model(ds.model.config, BS, torch.float32)
-    assert (layout.num_kv_heads, layout.head_dim) == (4, 24)
+    assert (layout.num_kv_heads, layout.head_dim) == (1, 16)  # kv_lora_rank wide, one head
     # config.json (probed before the weights load) gives the same geometry.
     fields = ds.model.config.to_dict()
-    assert geometry(fields.get) == (3, 4, 4, 24)
+    assert geometry(fields.get) == (3, 4, 1, 16)
+    # Decompressed (4 heads of 24-wide K, V padded to it) a block would be 6x larger.
+    decompressed = KVLayout(3, 4, 24, BS, "float32")
+    assert decompressed.bytes_per_block == 6 * layout.bytes_per_block
 
 
 def test_single_requests_give_hf_generate_tokens(ds: DeepSeek) -> None:
@@ -157,12 +160,15 @@ def test_a_prefix_hit_and_a_host_tier_round_trip(ds: DeepSeek) -> None:
     engine.close()
 
 
-def test_a_kvtier_cache_refuses_the_compressed_latent(ds: DeepSeek) -> None:
+def test_a_kvtier_cache_under_hf_generate(ds: DeepSeek) -> None:
+    """transformers caches the latent and the rotary key: the blocks hold both, padded."""
     model = copy.deepcopy(ds.reference)
     attach(model)
     layout = layout_for_model(model.config, BS, torch.float32)
     storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
-    prompt = _prompt(31, 9)
-    refused = pytest.raises(ConfigError, match="serve the model with kvtier's Engine")
-    with KvTierCache(storage, manager, "latent", prompt) as cache, refused, torch.no_grad():
-        model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=2)
+    prompt = _prompt(31, 27)
+    for rid in ("cold", "warm"):
+        with KvTierCache(storage, manager, rid, prompt) as cache, torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=8)
+        assert out[0, len(prompt) :].tolist() == ds.hf_greedy(prompt, 8)
+    assert cache.num_cached_tokens == 24

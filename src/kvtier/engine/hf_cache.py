@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtier.block_table import BlockTable
@@ -88,17 +89,16 @@ class _KvTierLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        heads = self._owner.storage.layout.num_kv_heads
-        if key_states.dim() == 4 and key_states.shape[1] != heads:
-            # transformers' MLA models (DeepSeek V3) cache their compressed latent, one
-            # "head" wide, not per-head K and V as the blocks are laid out.
-            raise ConfigError(
-                f"this model caches {key_states.shape[1]} head(s) of "
-                f"{key_states.shape[-1]}/{value_states.shape[-1]} values per token (a "
-                f"compressed latent?), but the KV blocks hold {heads} heads of K and V: a "
-                "KvTierCache cannot hold it; serve the model with kvtier's Engine"
-            )
+        width = self._owner.storage.layout.head_dim
+        k_dim, v_dim = key_states.shape[-1], value_states.shape[-1]
+        if k_dim != v_dim and max(k_dim, v_dim) == width:
+            # MLA (DeepSeek V3) caches its latent and rotary key, of two widths: the
+            # narrower one is zero-padded to the block's width and cut back on the way out.
+            key_states = F.pad(key_states, (0, width - k_dim))
+            value_states = F.pad(value_states, (0, width - v_dim))
         k, v = self._owner._update(self, key_states, value_states)
+        if k_dim != v_dim:
+            k, v = k[..., :k_dim], v[..., :v_dim]
         self.keys, self.values = k, v
         return k, v
 

@@ -114,14 +114,13 @@ def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
     kv_heads = num("num_key_value_heads") or heads
     head_dim = num("head_dim")
     if get("kv_lora_rank") is not None:
-        # Multi-head latent attention: every head gets its own K (the decompressed part
-        # plus the rotary part) and V; blocks hold K's width, V zero-padded to it.
-        nope, rope, v_dim = num("qk_nope_head_dim"), num("qk_rope_head_dim"), num("v_head_dim")
-        if nope is None or rope is None or v_dim is None:
-            raise ConfigError(
-                "an MLA config needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim"
-            )
-        return layers, heads, heads, max(nope + rope, v_dim)
+        # Multi-head latent attention: a block holds each token's compressed latent as one
+        # "head" of K and its shared rotary key as V, both kv_lora_rank wide (the model
+        # decompresses them per head as it attends), as transformers' own cache does.
+        rank, rope = num("kv_lora_rank"), num("qk_rope_head_dim")
+        if rank is None or rope is None:
+            raise ConfigError("an MLA config needs kv_lora_rank and qk_rope_head_dim")
+        return layers, heads, 1, max(rank, rope)
     if head_dim is None:
         if hidden is None:
             raise ConfigError("the model config has neither head_dim nor hidden_size")

@@ -207,26 +207,29 @@ def paged_attention(
         )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     storage = meta.storage
-    v_dim = value.shape[-1]
-    if v_dim < key.shape[-1]:
-        # MLA: V is narrower than K; a block row holds K's width, V zero-padded.
-        value = F.pad(value, (0, key.shape[-1] - v_dim))
-    # [1, heads, T, dim] -> [T, heads, dim]
-    storage.write_rows(layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    # The model passes each layer's window (None for full attention), as it does to
-    # transformers' own attention functions.
-    window = kwargs.get("sliding_window")
-    if isinstance(window, int) and window > 0:
-        rows, mask = meta.window(window)
-    else:
+    if getattr(module, "_kvtier_gathered", False):
+        # MLA: the blocks hold the latent, and the model has already expanded every
+        # row of the batch's view (``kv_rows`` order) into these K and V.
+        setattr(module, "_kvtier_gathered", False)  # noqa: B010 (an nn.Module attribute)
         rows, mask = meta.kv_rows, meta.mask
-    k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    else:
+        # [1, heads, T, dim] -> [T, heads, dim]
+        storage.write_rows(
+            layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1)
+        )
+        # The model passes each layer's window (None for full attention), as it does to
+        # transformers' own attention functions.
+        window = kwargs.get("sliding_window")
+        if isinstance(window, int) and window > 0:
+            rows, mask = meta.window(window)
+        else:
+            rows, mask = meta.kv_rows, meta.mask
+        k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
     B, Q = meta.B, meta.Q
-    kv_heads, dim = k.shape[1], k.shape[2]
-    k = k.view(B, -1, kv_heads, dim).transpose(1, 2)
-    v = v.view(B, -1, kv_heads, dim).transpose(1, 2)
-    if v_dim < dim:
-        v = v[..., :v_dim]
+    kv_heads, dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
+    k = k.reshape(B, -1, kv_heads, dim).transpose(1, 2)
+    v = v.reshape(B, -1, kv_heads, v_dim).transpose(1, 2)
     heads = query.shape[1]
     if meta.decode_only:  # token t is sequence t's one query
         q = query[0].transpose(0, 1).unsqueeze(2)
@@ -242,6 +245,65 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
+class _LatentAttention:
+    """Multi-head latent attention (DeepSeek V3) whose blocks hold the compressed latent.
+
+    Mixed into the model's attention class by :func:`install`. In a batched
+    pass, the per-token latent (``kv_nope``, the no-rope part compressed to
+    ``kv_lora_rank`` values) and the shared rotary key (``k_rot``) are written
+    to the blocks as one head's K and V (``k_rot`` zero-padded), every row of
+    the batch's view is read back, and the model's own ``expand_kv``
+    decompresses them; :func:`paged_attention` then attends over those rows.
+    Outside a batch nothing changes.
+    """
+
+    _kvtier_meta: BatchMeta | None = None
+    _kvtier_gathered = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._kvtier_meta = kwargs.get("kvtier_batch")
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._kvtier_meta = None
+
+    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> Any:
+        meta = self._kvtier_meta
+        if meta is None:
+            return super().expand_kv(kv_nope, k_rot)  # type: ignore[misc]
+        storage = meta.storage
+        layer = int(self.layer_idx)  # type: ignore[attr-defined]
+        width = storage.layout.head_dim
+        rank, rope = kv_nope.shape[-1], k_rot.shape[-1]
+        # [1, 1, T, d] -> [T, 1, width]
+        latent = F.pad(kv_nope, (0, width - rank))[0].transpose(0, 1)
+        rot = F.pad(k_rot, (0, width - rope))[0].transpose(0, 1)
+        storage.write_rows(layer, meta.new_rows, latent, rot)
+        k, v = storage.read_rows(layer, meta.kv_rows)  # [rows, 1, width]
+        self._kvtier_gathered = True
+        return super().expand_kv(  # type: ignore[misc]
+            k[..., :rank].transpose(0, 1).unsqueeze(0), v[..., :rope].transpose(0, 1).unsqueeze(0)
+        )
+
+
+_LATENT_CLASSES: dict[type, type] = {}
+
+
+def _store_latents(model: Any) -> None:
+    """Give every MLA attention module of ``model`` the latent-storing behaviour."""
+    for module in model.modules():
+        cls = type(module)
+        if issubclass(cls, _LatentAttention) or not (
+            hasattr(module, "expand_kv") and hasattr(module, "kv_b_proj")
+        ):
+            continue
+        latent_cls = _LATENT_CLASSES.get(cls)
+        if latent_cls is None:
+            latent_cls = type(f"KvTier{cls.__name__}", (_LatentAttention, cls), {})
+            _LATENT_CLASSES[cls] = latent_cls
+        module.__class__ = latent_cls
+
+
 def install(model: Any) -> None:
     """Switch ``model`` to :func:`paged_attention` (plain SDPA whenever no batch is given)."""
     global _registered
@@ -255,3 +317,4 @@ def install(model: Any) -> None:
         _registered = True
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    _store_latents(model)
