@@ -37,7 +37,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with serving(tiny_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)) as s:
+    with serving(tiny_engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=4)) as s:
         yield s
 
 

@@ -517,9 +517,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     serve.add_argument(
         "--max-num-seqs",
         type=arg(positive_int, "request count"),
-        default=4,
         metavar="N",
-        help="requests generating at once; more wait in a queue (default 4)",
+        help="requests generating at once; more wait in a queue (default: sized from the KV "
+        "cache, the sequences of 512 tokens it holds, at least 4 and at most 32 on a CPU or 256 "
+        "on an accelerator; the startup banner says what it came to)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",

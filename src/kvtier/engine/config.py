@@ -53,11 +53,24 @@ class CacheConfig:
             )
 
 
+#: ``max_num_seqs`` left unset: the KV cache is divided into sequences of this many tokens
+#: (a chat prompt and its reply), or of ``max_model_len`` when that is shorter.
+AUTO_SEQ_TOKENS = 512
+#: The fewest sequences an unset ``max_num_seqs`` gives: a smaller cache preempts instead
+#: (a decode batch this small costs about what one sequence does).
+AUTO_MIN_SEQS = 4
+#: The most an unset ``max_num_seqs`` gives on a CPU, where each sequence of a decode
+#: batch adds compute (memory bandwidth no longer dominates beyond this), and on an accelerator.
+AUTO_MAX_SEQS_CPU = 32
+AUTO_MAX_SEQS = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How many requests run at once, how many tokens one step computes, how long one may be."""
 
-    max_num_seqs: int = 4
+    #: Sequences running at once; ``None``: sized from the KV cache (:meth:`resolve`).
+    max_num_seqs: int | None = None
     #: Tokens one forward pass computes at most (decodes first, then prompt chunks);
     #: ``None``: 512, or ``max_num_seqs`` if that is more.
     max_num_batched_tokens: int | None = None
@@ -65,10 +78,11 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs is not None:
+            _positive("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-            if self.max_num_batched_tokens < self.max_num_seqs:
+            if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
                 raise ConfigError(
                     f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                     f"max_num_seqs ({self.max_num_seqs}): every running request decodes each step"
@@ -81,7 +95,41 @@ class SchedulerConfig:
         """Tokens one step computes at most, the default resolved."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0)
+
+    def resolve(self, plan: CachePlan, device: str) -> SchedulerConfig:
+        """This configuration with every default filled in for an engine of ``plan`` on ``device``.
+
+        An unset ``max_num_seqs`` becomes the number of sequences of
+        :data:`AUTO_SEQ_TOKENS` tokens (or ``plan.max_model_len``, if
+        shorter) the KV cache holds, at least :data:`AUTO_MIN_SEQS`, at most
+        :data:`AUTO_MAX_SEQS_CPU` on a CPU (:data:`AUTO_MAX_SEQS` elsewhere),
+        and never more than an explicit ``max_num_batched_tokens``.
+        """
+        seqs = self.max_num_seqs
+        if seqs is None:
+            cap = AUTO_MAX_SEQS_CPU if device.split(":")[0] == "cpu" else AUTO_MAX_SEQS
+            per_seq = min(AUTO_SEQ_TOKENS, plan.max_model_len)
+            seqs = min(max(plan.pool_tokens // per_seq, AUTO_MIN_SEQS), cap)
+            if self.max_num_batched_tokens is not None:
+                seqs = min(seqs, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs)
+        return SchedulerConfig(seqs, budget, plan.max_model_len)
+
+    def describe_seqs(self, plan: CachePlan, device: str) -> str:
+        """Why ``max_num_seqs`` has the value :meth:`resolve` gives it, for a startup banner."""
+        seqs = self.resolve(plan, device).max_num_seqs
+        if self.max_num_seqs is not None:
+            return f"up to {seqs} requests at once (--max-num-seqs)"
+        per_seq = min(AUTO_SEQ_TOKENS, plan.max_model_len)
+        cap = AUTO_MAX_SEQS_CPU if device.split(":")[0] == "cpu" else AUTO_MAX_SEQS
+        return (
+            f"up to {seqs} requests at once (auto: the KV cache holds "
+            f"{plan.pool_tokens // per_seq} sequences of {per_seq} tokens; at least "
+            f"{AUTO_MIN_SEQS}, at most {cap} on {device}; --max-num-seqs sets it)"
+        )
 
 
 @dataclass(frozen=True)

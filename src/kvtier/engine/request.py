@@ -175,6 +175,16 @@ class Sequence:
         """Prompt and generated tokens."""
         return self.prompt_ids + self.generated
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of :attr:`tokens`, without building the whole list."""
+        prompt = self.prompt_ids
+        n = len(prompt)
+        if start >= n:
+            return self.generated[start - n : end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.generated[: end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)

@@ -12,9 +12,11 @@ happened, and the engine acts on it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -56,6 +58,41 @@ class RunnerOutput:
     pass_error: str | None = None
 
 
+class TableSlots(SequenceABC[int]):
+    """The slots of a sequence's first ``length`` positions, computed from its blocks on access.
+
+    The attention metadata reads the new tokens' slots and one slot per
+    block; listing every slot of the context each step would cost Python
+    work proportional to the context length.
+    """
+
+    __slots__ = ("_blocks", "_bs", "_length")
+
+    def __init__(self, blocks: list[int], block_size: int, length: int) -> None:
+        self._blocks = blocks
+        self._bs = block_size
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        bs, blocks = self._bs, self._blocks
+        if isinstance(index, slice):
+            return [blocks[p // bs] * bs + p % bs for p in range(*index.indices(self._length))]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"slot {index} is past this sequence's {self._length} positions")
+        return blocks[index // bs] * bs + index % bs
+
+
 class ModelRunner:
     """Runs the model over a batch whose K/V live in ``storage`` (see the module docstring)."""
 
@@ -68,6 +105,11 @@ class ModelRunner:
         #: The image-text adapter of a vision-language model (``None``: text only).
         self.vlm = vlm
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        #: Seconds spent in the model's forward, summed over passes (the rest of a step is
+        #: the engine's own work), and the sequences those passes computed.
+        self.forward_seconds = 0.0
+        self.passes = 0
+        self.pass_sequences = 0
 
     def execute(self, batch: Sequence[tuple[Seq, int]]) -> RunnerOutput:
         """Compute ``n`` new tokens of each ``(sequence, n)``; sample where a sequence is done.
@@ -89,11 +131,17 @@ class ModelRunner:
         rows: list[int] = []
         samplers: list[Seq] = []
         for seq, n in chunks:
-            assert seq.table is not None
+            table = seq.table
+            assert table is not None
             start = seq.computed
-            ids.extend(seq.tokens[start : start + n])
+            ids.extend(seq.token_range(start, start + n))
             positions.extend(range(start, start + n))
-            slices.append(SeqSlice(start, n, seq.table.slot_mapping(0, start + n)))
+            if start + n > table.capacity:
+                raise ValueError(
+                    f"sequence {seq.seq_id} computes up to position {start + n}, past its "
+                    f"blocks' {table.capacity}"
+                )
+            slices.append(SeqSlice(start, n, TableSlots(table.blocks, table.block_size, start + n)))
             if start + n == seq.num_tokens:  # its whole sequence is in: it samples
                 rows.append(len(ids) - 1)
                 samplers.append(seq)
@@ -107,6 +155,7 @@ class ModelRunner:
                 from kvtier.mm.engine import input_embeddings
 
                 inputs = {"inputs_embeds": input_embeddings(self.vlm, chunks, inputs["input_ids"])}
+            started = time.perf_counter()
             with torch.no_grad():
                 result = self.model(
                     **inputs,
@@ -117,6 +166,9 @@ class ModelRunner:
                     kvtier_batch=meta,
                 )
             logits = result.logits[0]
+            self.forward_seconds += time.perf_counter() - started
+            self.passes += 1
+            self.pass_sequences += len(chunks)
         except Exception as exc:
             log.exception("the forward pass of %d sequences failed", len(chunks))
             out.pass_error = error = f"{type(exc).__name__}: {exc}"
@@ -124,13 +176,23 @@ class ModelRunner:
             return out
         out.ran = True
         out.computed = chunks
+        # Plain greedy rows (no bias, penalties, constraint or logprobs) take one argmax
+        # together; the others go through their own samplers.
+        plain = [i for i, seq in enumerate(samplers) if seq.sampler.plain_greedy]
+        greedy: dict[int, int] = {}
+        if plain:
+            picked = logits if len(plain) == len(samplers) else logits[plain]
+            greedy = dict(zip(plain, torch.argmax(picked, dim=-1).tolist(), strict=True))
         for i, seq in enumerate(samplers):
             row = logits[i]
-            try:
-                token, logprob = seq.sampler.sample(row)
-            except Exception as exc:
-                log.exception("sampling for request %s failed", seq.request_id)
-                out.failed.append((seq, f"{type(exc).__name__}: {exc}"))
-                continue
+            token = greedy.get(i)
+            logprob: TokenLogprob | None = None
+            if token is None:
+                try:
+                    token, logprob = seq.sampler.sample(row)
+                except Exception as exc:
+                    log.exception("sampling for request %s failed", seq.request_id)
+                    out.failed.append((seq, f"{type(exc).__name__}: {exc}"))
+                    continue
             out.sampled.append(SampledToken(seq, token, logprob, row))
         return out

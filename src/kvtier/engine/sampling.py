@@ -213,6 +213,20 @@ class Sampler:
             else:
                 self._gen.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the token is the row's argmax and nothing else: greedy, without
+        ``logit_bias``, penalties, a constraint or logprobs (rows like that can be
+        picked together, in one batched argmax)."""
+        p = self.params
+        return (
+            p.greedy
+            and not p.logit_bias
+            and not p.penalized
+            and p.logprobs is None
+            and self.constraint is None
+        )
+
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if not p.logit_bias and not p.penalized:

@@ -174,7 +174,7 @@ class Scheduler:
         assert seq.table is not None
         while seq.known < upto:
             try:
-                ext = self.manager.extend(seq.seq_id, seq.tokens[seq.known : upto])
+                ext = self.manager.extend(seq.seq_id, seq.token_range(seq.known, upto))
             except OutOfBlocksError:
                 if self.agents.drain():
                     continue  # prefetches held blocks; landed, they are evictable
@@ -194,6 +194,7 @@ class Scheduler:
                 self.preempt(victim, batch)
                 continue
             if ext.copies:
+                self.connector.demote_pending()  # a copy may land in a just-evicted block
                 self.storage.copy_blocks(ext.copies)
             seq.table = ext.block_table
             seq.known = upto

@@ -14,6 +14,10 @@ flight and the loop goes on. Should the loop itself die, the worker records
 why (:attr:`EngineWorker.fatal`), fails every open handle and calls
 ``on_fatal``, so a server can report itself unhealthy and exit for its
 supervisor to restart it.
+
+The worker keeps what its steps cost (:class:`StepStats`: time in the
+step, the part in the model's forward, the time between steps) and logs it
+every :data:`STEP_LOG_INTERVAL_S` seconds of work.
 """
 
 from __future__ import annotations
@@ -36,8 +40,61 @@ log = logging.getLogger(__name__)
 
 #: How often an idle worker polls tier stores and prefetches in flight.
 BACKGROUND_POLL_S = 0.005
+#: How often a busy worker logs what its steps cost (seconds).
+STEP_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
+
+
+def _put_all(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    """On the event loop: hand each output to its handle's queue, in order."""
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class StepStats:
+    """What the worker's engine steps cost, summed since the worker started.
+
+    ``step_seconds`` is the time inside ``Engine.step``; ``forward_seconds``
+    the part of it in the model's forward (the rest is the engine's own work:
+    scheduling, attention metadata, sampling, detokenizing; on an
+    accelerator, work the forward queued without waiting counts there too).
+    ``gap_seconds`` is the time between consecutive steps while requests
+    were in flight: handing outputs to the server, taking new requests, and
+    waiting for the interpreter lock the server's threads hold.
+    """
+
+    __slots__ = ("forward_seconds", "gap_seconds", "sequences", "step_seconds", "steps")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.sequences = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self.gap_seconds = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {s: getattr(self, s) for s in self.__slots__}
+
+    def since(self, before: StepStats) -> str:
+        """One log line on the steps after ``before`` (an earlier copy)."""
+        n = self.steps - before.steps
+        step = (self.step_seconds - before.step_seconds) / n
+        forward = (self.forward_seconds - before.forward_seconds) / n
+        gap = (self.gap_seconds - before.gap_seconds) / n
+        seqs = (self.sequences - before.sequences) / n
+        return (
+            f"{n} steps of {seqs:.1f} sequences on average: {1e3 * step:.1f} ms a step, "
+            f"{1e3 * forward:.1f} ms of it in the model's forward and {1e3 * (step - forward):.1f} "
+            f"ms ({100 * (step - forward) / step if step else 0.0:.1f}%) in the engine; "
+            f"{1e3 * gap:.1f} ms between steps"
+        )
+
+    def copy(self) -> StepStats:
+        other = StepStats()
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        return other
 
 
 class RequestHandle:
@@ -54,6 +111,9 @@ class RequestHandle:
         self._sync: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._sink: Callable[[RequestOutput], None] = self._sync.put
         self._async: asyncio.Queue[RequestOutput] | None = None
+        #: The loop :meth:`bind_loop` delivers to, and the sink it installed for it.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_sink: Callable[[RequestOutput], None] | None = None
         self.finished = False
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -73,7 +133,8 @@ class RequestHandle:
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(q.put_nowait, out)
 
-        self._sink = sink
+        self._sink = self._loop_sink = sink
+        self._loop = loop
 
     def __iter__(self) -> Iterator[RequestOutput]:
         if self._async is not None:
@@ -139,6 +200,8 @@ class EngineWorker:
         self._ids = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.step_errors = 0
+        #: What the steps cost (written by the worker thread only).
+        self.step_stats = StepStats()
 
     def start(self) -> EngineWorker:
         self._thread.start()
@@ -306,6 +369,10 @@ class EngineWorker:
 
     def _serve(self) -> None:
         engine = self.engine
+        runner = engine.runner
+        stats = self.step_stats
+        logged, logged_at = stats.copy(), time.perf_counter()
+        last_end: float | None = None  # when the previous step ended, while busy
         while True:
             with self._cv:
                 while not (
@@ -344,16 +411,38 @@ class EngineWorker:
             for rid in cancels:
                 engine.cancel(rid)
             if not engine.has_unfinished():
+                last_end = None
                 continue
+            forward, passes = runner.forward_seconds, runner.pass_sequences
+            started = time.perf_counter()
+            if last_end is None and started - logged_at >= STEP_LOG_INTERVAL_S:
+                logged, logged_at = stats.copy(), started  # a busy spell starts after idling
             try:
                 outs = engine.step()
             except Exception as exc:
                 self.step_errors += 1
                 log.exception("engine step failed; failing the requests in flight")
                 outs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            ended = time.perf_counter()
+            stats.steps += 1
+            stats.sequences += runner.pass_sequences - passes
+            stats.step_seconds += ended - started
+            stats.forward_seconds += runner.forward_seconds - forward
+            if last_end is not None:
+                stats.gap_seconds += started - last_end
+            last_end = ended
             self._dispatch(outs)
+            if ended - logged_at >= STEP_LOG_INTERVAL_S:
+                if stats.steps > logged.steps:
+                    log.info("engine: %s", stats.since(logged))
+                logged, logged_at = stats.copy(), ended
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
+        # A step's outputs for asyncio handles reach each event loop in one wake-up, not
+        # one per stream: with many streams the wake-ups cost the loop more than the tokens.
+        batches: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]
+        ] = {}
         for out in outs:
             target = self._handles.get(out.request_id)
             if target is None:
@@ -363,7 +452,13 @@ class EngineWorker:
                 if target._undelivered <= 0:
                     with self._cv:
                         self._handles.pop(out.request_id, None)
-            target._deliver(out)
+            loop, q = target._loop, target._async
+            if loop is not None and q is not None and target._sink is target._loop_sink:
+                batches.setdefault(loop, []).append((q, out))
+            else:
+                target._deliver(out)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail(self, handle: RequestHandle, message: str) -> None:
         from kvtier.engine.engine import RequestMetrics
@@ -373,7 +468,13 @@ class EngineWorker:
         for i in range(handle.n):
             handle._deliver(
                 RequestOutput(
-                    handle.request_id, "", [], True, "error", RequestMetrics(0.0, 0), message,
+                    handle.request_id,
+                    "",
+                    [],
+                    True,
+                    "error",
+                    RequestMetrics(0.0, 0),
+                    message,
                     index=i,
                 )
             )
