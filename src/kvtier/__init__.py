@@ -30,6 +30,7 @@ from kvtier.errors import (
     MonitorUnavailableError,
     OutOfBlocksError,
     OversizeError,
+    TierFullError,
     TierUnavailableError,
     UnknownRequestError,
 )
@@ -170,6 +171,7 @@ __all__ = [
     "IntegrationError",
     "MissingDependencyError",
     "UnsupportedVllmError",
+    "TierFullError",
     "TierUnavailableError",
     "UnknownRequestError",
     "__version__",

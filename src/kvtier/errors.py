@@ -100,6 +100,15 @@ class TierUnavailableError(KvTierError):
     """A storage tier (disk, Redis, ...) cannot be reached."""
 
 
+class TierFullError(TierUnavailableError):
+    """A storage tier has no room for a write (disk full, quota, file-size limit).
+
+    A subclass of :class:`TierUnavailableError`, so every caller that fails soft on an
+    unreachable tier fails soft on a full one too; the tier's health tells them apart
+    (reads still work, and the outage is not one of reachability).
+    """
+
+
 class CorruptBlockError(KvTierError):
     """A stored block failed its checksum or header check; it is never served."""
 

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvtier.errors import KvTierError, TierUnavailableError
+from kvtier.errors import KvTierError, TierFullError, TierUnavailableError
 from kvtier.obs.episodes import Episodes
 from kvtier.offload.manager import OffloadingManager
 from kvtier.offload.media import BlockStore
@@ -78,7 +78,14 @@ class TierHealth:
         return f"{self.name}:unreachable"
 
     def failed(self, exc: BaseException | None) -> None:
-        """The medium could not be reached (or failed): count, skip it a while, log once."""
+        """The medium could not be reached (or failed): count, skip it a while, log once.
+
+        A full medium (:class:`~kvtier.errors.TierFullError`) is a store failure, not
+        an outage: reads go on and it is not skipped.
+        """
+        if isinstance(exc, TierFullError):
+            self.store_failed(exc)
+            return
         self.unavailable += 1
         if self.retry_interval_s > 0:
             self._down_until = time.monotonic() + self.retry_interval_s
@@ -100,6 +107,13 @@ class TierHealth:
 
     def store_failed(self, exc: BaseException | None) -> None:
         """A write failed: an outage when unreachable, else a store-failure episode."""
+        if isinstance(exc, TierFullError):
+            self.episodes.fail(
+                f"{self.name}:store",
+                f"the {self.name} tier is full ({exc}); what is demoted there is lost until "
+                "it has room again",
+            )
+            return
         if isinstance(exc, TierUnavailableError):
             self.failed(exc)
             return

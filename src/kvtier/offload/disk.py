@@ -15,6 +15,7 @@ directory can serve several models and no directory grows huge.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Sequence
@@ -22,11 +23,18 @@ from pathlib import Path
 
 import torch
 
-from kvtier.errors import ConfigError, InternalInvariantError, TierUnavailableError
+from kvtier.errors import (
+    ConfigError,
+    InternalInvariantError,
+    TierFullError,
+    TierUnavailableError,
+)
 from kvtier.offload.codec import HEADER_SIZE, as_buffer, pack_header
 from kvtier.offload.media import MediumCaps, PutItem, Stored
 
 _SUFFIX = ".kvb"
+#: Write errors that mean "no room" (a full disk, a quota, a file-size limit), not "gone".
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
@@ -116,6 +124,11 @@ class DiskStore:
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                if exc.errno in _NO_ROOM:
+                    raise TierFullError(
+                        f"cannot write block file {final}: {exc}; free space on that disk, "
+                        "raise its quota or file-size limit, or give the tier a smaller size="
+                    ) from None
                 raise TierUnavailableError(
                     f"cannot write block file {final}: {exc}; check the disk tier's space "
                     "and permissions"
