@@ -20,9 +20,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tiny_model import tiny_tokenizer  # noqa: E402
+from tiny_model import (  # noqa: E402
+    greedy_ignoring_eos,
+    run_all,
+    seeded_prompt,
+    tiny_tokenizer,
+)
 
-from kvtier.engine import Engine, KvTierCache, SamplingParams, attach, layout_for_model  # noqa: E402
+from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa: E402
 from kvtier.engine.model import geometry  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
@@ -92,27 +97,6 @@ def ds() -> DeepSeek:
     return DeepSeek()
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, 90, (length,), generator=g).tolist()
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _run_all(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    rids = [engine.add_request(p, _greedy(n)) for p in prompts]
-    got: dict[str, list[int]] = {r: [] for r in rids}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.token_ids)
-        steps += 1
-        assert steps < 2000, "the engine made no progress"
-    return [got[r] for r in rids]
-
-
 def test_a_block_holds_the_latent_not_the_decompressed_heads(ds: DeepSeek) -> None:
     layout = layout_for_model(ds.model.config, BS, torch.float32)
     assert (layout.num_kv_heads, layout.head_dim) == (1, 16)  # kv_lora_rank wide, one head
@@ -127,34 +111,39 @@ def test_a_block_holds_the_latent_not_the_decompressed_heads(ds: DeepSeek) -> No
 def test_single_requests_give_hf_generate_tokens(ds: DeepSeek) -> None:
     engine = ds.engine()
     for seed, length in ((1, 9), (2, 27)):
-        prompt = _prompt(seed, length)
-        assert _run_all(engine, [prompt], 10) == [ds.hf_greedy(prompt, 10)]
+        prompt = seeded_prompt(seed, length)
+        assert run_all(engine, [prompt], 10) == [ds.hf_greedy(prompt, 10)]
     engine.manager.check()
 
 
 def test_batches_with_chunks_and_preemption(ds: DeepSeek) -> None:
     chunked = ds.engine(max_num_seqs=4, max_num_batched_tokens=12)
-    shared = _prompt(5, 13)
-    prompts = [_prompt(6, 3), shared + _prompt(7, 20), _prompt(8, 31), shared + _prompt(9, 6)]
-    assert _run_all(chunked, prompts, 9) == [ds.hf_greedy(p, 9) for p in prompts]
+    shared = seeded_prompt(5, 13)
+    prompts = [
+        seeded_prompt(6, 3),
+        shared + seeded_prompt(7, 20),
+        seeded_prompt(8, 31),
+        shared + seeded_prompt(9, 6),
+    ]
+    assert run_all(chunked, prompts, 9) == [ds.hf_greedy(p, 9) for p in prompts]
     tight = ds.engine(num_blocks=14, max_num_seqs=3)
-    prompts = [_prompt(10, 19), _prompt(11, 17), _prompt(12, 21)]
-    assert _run_all(tight, prompts, 11) == [ds.hf_greedy(p, 11) for p in prompts]
+    prompts = [seeded_prompt(10, 19), seeded_prompt(11, 17), seeded_prompt(12, 21)]
+    assert run_all(tight, prompts, 11) == [ds.hf_greedy(p, 11) for p in prompts]
     assert tight.counters.preemptions > 0
     tight.manager.check()
 
 
 def test_a_prefix_hit_and_a_host_tier_round_trip(ds: DeepSeek) -> None:
     engine = ds.engine(num_blocks=16, tiers=[Tier(HostStore(), 64)])
-    prompts = [_prompt(20 + i, 29) for i in range(4)]
+    prompts = [seeded_prompt(20 + i, 29) for i in range(4)]
     for _round in range(2):
         for prompt in prompts:
-            assert _run_all(engine, [prompt], 6) == [ds.hf_greedy(prompt, 6)]
+            assert run_all(engine, [prompt], 6) == [ds.hf_greedy(prompt, 6)]
     assert engine.counters.loaded_prompt_tokens > 0  # evicted prefixes came back from host
     again = ds.engine()
-    prompt = _prompt(30, 27)
-    _run_all(again, [prompt], 4)
-    outs = list(again.generate(prompt, _greedy(4)))
+    prompt = seeded_prompt(30, 27)
+    run_all(again, [prompt], 4)
+    outs = list(again.generate(prompt, greedy_ignoring_eos(4)))
     assert outs[-1].metrics.cached_tokens == 24
     assert [t for o in outs for t in o.token_ids] == ds.hf_greedy(prompt, 4)
     engine.close()
@@ -166,7 +155,7 @@ def test_a_kvtier_cache_under_hf_generate(ds: DeepSeek) -> None:
     attach(model)
     layout = layout_for_model(model.config, BS, torch.float32)
     storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
-    prompt = _prompt(31, 27)
+    prompt = seeded_prompt(31, 27)
     for rid in ("cold", "warm"):
         with KvTierCache(storage, manager, rid, prompt) as cache, torch.no_grad():
             out = model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=8)

@@ -25,9 +25,14 @@ transformers = pytest.importorskip("transformers")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from tiny_model import tiny_tokenizer  # noqa: E402
+from tiny_model import (  # noqa: E402
+    greedy_ignoring_eos,
+    run_all,
+    seeded_prompt,
+    tiny_tokenizer,
+)
 
-from kvtier.engine import Engine, KvTierCache, SamplingParams, attach, layout_for_model  # noqa: E402
+from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa: E402
 from kvtier.engine.attention_spec import AttentionSpec, attention_spec  # noqa: E402
 from kvtier.engine.paged import BatchMeta, SeqSlice, paged_attention  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
@@ -95,32 +100,11 @@ def gemma() -> Gemma:
     return Gemma()
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, 90, (length,), generator=g).tolist()
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 def _run(
     engine: Engine, prompt: list[int], n: int, rid: str | None = None
 ) -> tuple[list[int], Any]:
-    outs = list(engine.generate(prompt, _greedy(n), request_id=rid))
+    outs = list(engine.generate(prompt, greedy_ignoring_eos(n), request_id=rid))
     return [t for o in outs for t in o.token_ids], outs[-1]
-
-
-def _run_all(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    rids = [engine.add_request(p, _greedy(n)) for p in prompts]
-    got: dict[str, list[int]] = {r: [] for r in rids}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.token_ids)
-        steps += 1
-        assert steps < 2000, "the engine made no progress"
-    return [got[r] for r in rids]
 
 
 # -- the attention plan --------------------------------------------------------------------
@@ -272,7 +256,7 @@ def test_a_long_decode_reads_one_window_not_the_past() -> None:
 
 def test_single_requests_give_hf_generate_tokens(gemma: Gemma) -> None:
     engine = gemma.engine()
-    prompts = [_prompt(1, 5), _prompt(2, 23), _prompt(3, 41)]
+    prompts = [seeded_prompt(1, 5), seeded_prompt(2, 23), seeded_prompt(3, 41)]
     for i, prompt in enumerate(prompts):
         got, _ = _run(engine, prompt, 10, rid=f"solo-{i}")
         assert got == gemma.hf_greedy(prompt, 10)
@@ -284,7 +268,7 @@ def test_the_window_changes_the_answer(gemma: Gemma) -> None:
     full = transformers.Gemma3ForCausalLM(_gemma_config(gemma.tok, ["full_attention"] * 4))
     full.load_state_dict(gemma.reference.state_dict())
     full.generation_config.eos_token_id = None
-    prompt = _prompt(3, 41)
+    prompt = seeded_prompt(3, 41)
     with torch.no_grad():
         out = full.eval().generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
     assert out[0, len(prompt) :].tolist() != gemma.hf_greedy(prompt, 10)
@@ -292,7 +276,7 @@ def test_the_window_changes_the_answer(gemma: Gemma) -> None:
 
 def test_a_repeated_prompt_computes_only_its_tail(gemma: Gemma) -> None:
     engine = gemma.engine()
-    prompt = _prompt(4, 38)  # nine full blocks and two tokens: about five windows
+    prompt = seeded_prompt(4, 38)  # nine full blocks and two tokens: about five windows
     first, _ = _run(engine, prompt, 8, rid="cold")
     computed = engine.counters.computed_prompt_tokens
     assert computed == len(prompt)
@@ -305,9 +289,14 @@ def test_a_repeated_prompt_computes_only_its_tail(gemma: Gemma) -> None:
 def test_batched_requests_of_different_lengths(gemma: Gemma) -> None:
     # A small token budget chunks the prompts; decodes and prefill chunks share passes.
     engine = gemma.engine(max_num_seqs=4, max_num_batched_tokens=12)
-    shared = _prompt(5, 13)
-    prompts = [_prompt(6, 3), shared + _prompt(7, 20), _prompt(8, 31), shared + _prompt(9, 6)]
-    got = _run_all(engine, prompts, 9)
+    shared = seeded_prompt(5, 13)
+    prompts = [
+        seeded_prompt(6, 3),
+        shared + seeded_prompt(7, 20),
+        seeded_prompt(8, 31),
+        shared + seeded_prompt(9, 6),
+    ]
+    got = run_all(engine, prompts, 9)
     assert got == [gemma.hf_greedy(p, 9) for p in prompts]
     engine.manager.check()
     assert engine.manager.stats().used_blocks == 0
@@ -316,8 +305,8 @@ def test_batched_requests_of_different_lengths(gemma: Gemma) -> None:
 def test_preempted_requests_resume_with_the_same_tokens(gemma: Gemma) -> None:
     # 14 blocks of 4: three requests growing to 8 blocks each cannot all stay.
     engine = gemma.engine(num_blocks=14, max_num_seqs=3)
-    prompts = [_prompt(10, 19), _prompt(11, 17), _prompt(12, 21)]
-    got = _run_all(engine, prompts, 11)
+    prompts = [seeded_prompt(10, 19), seeded_prompt(11, 17), seeded_prompt(12, 21)]
+    got = run_all(engine, prompts, 11)
     assert engine.counters.preemptions > 0
     assert got == [gemma.hf_greedy(p, 11) for p in prompts]
     engine.manager.check()
@@ -325,7 +314,7 @@ def test_preempted_requests_resume_with_the_same_tokens(gemma: Gemma) -> None:
 
 def test_prefixes_come_back_from_a_host_tier(gemma: Gemma) -> None:
     engine = gemma.engine(num_blocks=16, tiers=[Tier(HostStore(), 64)])
-    prompts = [_prompt(20 + i, 29) for i in range(4)]
+    prompts = [seeded_prompt(20 + i, 29) for i in range(4)]
     for _round in range(2):
         for i, prompt in enumerate(prompts):
             got, _ = _run(engine, prompt, 6, rid=f"tier-{_round}-{i}")
@@ -344,7 +333,7 @@ def test_a_kvtier_cache_under_hf_generate(gemma: Gemma) -> None:
     attach(model)
     layout = layout_for_model(model.config, BS, torch.float32)
     storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
-    prompt = _prompt(30, 27)
+    prompt = seeded_prompt(30, 27)
     for rid in ("cold", "warm"):
         with KvTierCache(storage, manager, rid, prompt) as cache:
             with torch.no_grad():
@@ -366,12 +355,12 @@ def test_any_mix_of_requests_gives_hf_generate_tokens(
     gemma: Gemma, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
     """Shared prefixes, chunked prompts and preemption, in whatever mix hypothesis draws."""
-    prefix = _prompt(40, shared)
-    prompts = [prefix + _prompt(41 + i, n) for i, n in enumerate(lengths)]
+    prefix = seeded_prompt(40, shared)
+    prompts = [prefix + seeded_prompt(41 + i, n) for i, n in enumerate(lengths)]
     n = 6
     if any(len(p) + n > (num_blocks - 2) * BS for p in prompts):
         return  # every request must fit the pool alone
     engine = gemma.engine(num_blocks=num_blocks, max_num_seqs=3, max_num_batched_tokens=budget)
-    assert _run_all(engine, prompts, n) == [gemma.hf_greedy(p, n) for p in prompts]
+    assert run_all(engine, prompts, n) == [gemma.hf_greedy(p, n) for p in prompts]
     engine.manager.check()
     assert engine.manager.stats().used_blocks == 0

@@ -99,3 +99,31 @@ def solo_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
         out.append(tok)
         ids.append(tok)
     return out
+
+
+def seeded_prompt(seed: int, length: int) -> list[int]:
+    """``length`` token ids drawn from a seeded generator (stable across runs)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 90, (length,), generator=g).tolist()
+
+
+def greedy_ignoring_eos(max_tokens: int) -> Any:
+    """Greedy sampling of exactly ``max_tokens`` tokens."""
+    from kvtier.engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_all(engine: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Every prompt added at once and stepped to the end; each one's generated tokens."""
+    rids = [engine.add_request(p, greedy_ignoring_eos(n)) for p in prompts]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+        steps += 1
+        assert steps < 2000, "the engine made no progress"
+    return [got[r] for r in rids]
