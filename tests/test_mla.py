@@ -21,13 +21,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tiny_model import (  # noqa: E402
+    TinyFamily,
+    check_chunked_batches_and_preemption,
     greedy_ignoring_eos,
     run_all,
     seeded_prompt,
     tiny_tokenizer,
 )
 
-from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa: E402
+from kvtier.engine import KvTierCache, attach, layout_for_model  # noqa: E402
 from kvtier.engine.model import geometry  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
@@ -66,30 +68,19 @@ def _config(tok: Any) -> Any:
     )
 
 
-class DeepSeek:
+class DeepSeek(TinyFamily):
     """The tiny model for engines, an untouched copy for references, and their cache."""
 
     def __init__(self) -> None:
-        self.tok = tiny_tokenizer()
-        torch.manual_seed(0)
-        self.reference = transformers.DeepseekV3ForCausalLM(_config(self.tok)).eval()
-        self.reference.generation_config.eos_token_id = None
-        self.model = copy.deepcopy(self.reference)
-        self._refs: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
-        key = (tuple(prompt), n)
-        if key not in self._refs:
-            with torch.no_grad():
-                out = self.reference.generate(
-                    torch.tensor([prompt]), max_new_tokens=n, do_sample=False
-                )
-            self._refs[key] = out[0, len(prompt) :].tolist()
-        return self._refs[key]
-
-    def engine(self, **kw: Any) -> Engine:
-        kw.setdefault("num_blocks", 64)
-        return Engine(self.model, self.tok, model_id="tiny-deepseek", block_size=BS, **kw)
+        tok = tiny_tokenizer()
+        super().__init__(
+            transformers.DeepseekV3ForCausalLM,
+            _config(tok),
+            tok,
+            "tiny-deepseek",
+            BS,
+            num_blocks=64,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +108,7 @@ def test_single_requests_give_hf_generate_tokens(ds: DeepSeek) -> None:
 
 
 def test_batches_with_chunks_and_preemption(ds: DeepSeek) -> None:
-    chunked = ds.engine(max_num_seqs=4, max_num_batched_tokens=12)
-    shared = seeded_prompt(5, 13)
-    prompts = [
-        seeded_prompt(6, 3),
-        shared + seeded_prompt(7, 20),
-        seeded_prompt(8, 31),
-        shared + seeded_prompt(9, 6),
-    ]
-    assert run_all(chunked, prompts, 9) == [ds.hf_greedy(p, 9) for p in prompts]
-    tight = ds.engine(num_blocks=14, max_num_seqs=3)
-    prompts = [seeded_prompt(10, 19), seeded_prompt(11, 17), seeded_prompt(12, 21)]
-    assert run_all(tight, prompts, 11) == [ds.hf_greedy(p, 11) for p in prompts]
-    assert tight.counters.preemptions > 0
-    tight.manager.check()
+    check_chunked_batches_and_preemption(ds, max_batched_tokens=12)
 
 
 def test_a_prefix_hit_and_a_host_tier_round_trip(ds: DeepSeek) -> None:

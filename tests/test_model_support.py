@@ -1,9 +1,10 @@
 """Models whose attention kvtier does not implement are refused before any weight is read.
 
 kvtier's blocks hold K/V per KV head, read by full causal or sliding-window
-attention. A chunked, linear-attention, Mamba, MLA, attention-sink or
-soft-capped model served through them would answer differently from the
-model itself (as would sliding windows in a family not checked for them), so
+attention (or a latent per token for DeepSeek's MLA, and the convolution
+input per token for LFM2's short convolutions). A chunked, linear-attention,
+Mamba, attention-sink or soft-capped model served through them would answer
+differently from the model itself (as would sliding windows in a family not checked for them), so
 every entry point (probing a model directory, loading it, building an engine
 or a ``KvTierCache`` from a loaded model, ``kvtier serve --model DIR``)
 refuses such a model with a ``ConfigError`` naming its attention type. The
@@ -241,6 +242,26 @@ SUPPORTED = [
             "topk_group": 1,
             "first_k_dense_replace": 1,
             "num_key_value_heads": 4,  # MLA decompresses one K/V per attention head
+        },
+    ),
+    # Short convolutions around attention; 4 taps with biases, slots widened to hidden_size.
+    (
+        "Lfm2Config",
+        {
+            "layer_types": ["conv", "full_attention", "conv"],
+            "conv_L_cache": 4,
+            "conv_bias": True,
+        },
+    ),
+    (
+        "Lfm2MoeConfig",
+        {
+            "layer_types": ["conv", "full_attention", "conv"],
+            "num_key_value_heads": 1,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_dense_layers": 1,
         },
     ),
 ]

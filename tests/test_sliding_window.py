@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_model import (  # noqa: E402
+    TinyFamily,
+    check_request_mix,
     greedy_ignoring_eos,
     run_all,
     seeded_prompt,
@@ -66,33 +68,13 @@ def _gemma_config(tok: Any, layer_types: list[str] = LAYER_TYPES) -> Any:
     )
 
 
-class Gemma:
+class Gemma(TinyFamily):
     """The tiny model for the engine, an untouched copy for references, and their cache."""
 
     def __init__(self) -> None:
-        self.tok = tiny_tokenizer()
-        torch.manual_seed(0)
-        self.reference = transformers.Gemma3ForCausalLM(_gemma_config(self.tok)).eval()
-        # The engine runs on with ignore_eos; the reference must not stop at EOS either.
-        self.reference.generation_config.eos_token_id = None
-        self.model = copy.deepcopy(self.reference)
-        self._refs: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
-        """Hugging Face ``generate``'s greedy tokens (its own sliding-window cache and masks)."""
-        key = (tuple(prompt), n)
-        if key not in self._refs:
-            with torch.no_grad():
-                out = self.reference.generate(
-                    torch.tensor([prompt]), max_new_tokens=n, do_sample=False
-                )
-            self._refs[key] = out[0, len(prompt) :].tolist()
-            assert len(self._refs[key]) == n
-        return self._refs[key]
-
-    def engine(self, **kw: Any) -> Engine:
-        kw.setdefault("num_blocks", 128)
-        return Engine(self.model, self.tok, model_id="tiny-gemma3", block_size=BS, **kw)
+        tok = tiny_tokenizer()
+        config = _gemma_config(tok)
+        super().__init__(transformers.Gemma3ForCausalLM, config, tok, "tiny-gemma3", BS, 128)
 
 
 @pytest.fixture(scope="module")
@@ -355,12 +337,4 @@ def test_any_mix_of_requests_gives_hf_generate_tokens(
     gemma: Gemma, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
     """Shared prefixes, chunked prompts and preemption, in whatever mix hypothesis draws."""
-    prefix = seeded_prompt(40, shared)
-    prompts = [prefix + seeded_prompt(41 + i, n) for i, n in enumerate(lengths)]
-    n = 6
-    if any(len(p) + n > (num_blocks - 2) * BS for p in prompts):
-        return  # every request must fit the pool alone
-    engine = gemma.engine(num_blocks=num_blocks, max_num_seqs=3, max_num_batched_tokens=budget)
-    assert run_all(engine, prompts, n) == [gemma.hf_greedy(p, n) for p in prompts]
-    engine.manager.check()
-    assert engine.manager.stats().used_blocks == 0
+    check_request_mix(gemma, lengths, shared, num_blocks, budget)

@@ -127,3 +127,88 @@ def run_all(engine: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
         steps += 1
         assert steps < 2000, "the engine made no progress"
     return [got[r] for r in rids]
+
+
+class TinyFamily:
+    """A tiny random-weight model of one family for engines, an untouched copy for references.
+
+    ``hf_greedy`` is transformers' own greedy ``generate`` on the reference
+    (its own caches and masks), memoized; ``engine`` serves ``model``, a
+    deep copy, through kvtier. Neither stops at EOS: the engine runs with
+    ``ignore_eos``.
+    """
+
+    def __init__(
+        self, model_class: Any, config: Any, tokenizer: Any, model_id: str, block_size: int,
+        num_blocks: int = 64,
+    ) -> None:  # fmt: skip
+        import copy
+
+        import torch
+
+        self.tok = tokenizer
+        torch.manual_seed(0)
+        self.reference = model_class(config).eval()
+        self.reference.generation_config.eos_token_id = None
+        self.model = copy.deepcopy(self.reference)
+        self.model_id = model_id
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._refs: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
+        import torch
+
+        key = (tuple(prompt), n)
+        if key not in self._refs:
+            with torch.no_grad():
+                out = self.reference.generate(
+                    torch.tensor([prompt]), max_new_tokens=n, do_sample=False
+                )
+            self._refs[key] = out[0, len(prompt) :].tolist()
+            assert len(self._refs[key]) == n
+        return self._refs[key]
+
+    def engine(self, **kw: Any) -> Any:
+        from kvtier.engine import Engine
+
+        kw.setdefault("num_blocks", self.num_blocks)
+        return Engine(
+            self.model, self.tok, model_id=self.model_id, block_size=self.block_size, **kw
+        )
+
+
+def check_chunked_batches_and_preemption(family: TinyFamily, max_batched_tokens: int) -> None:
+    """Chunked prompts sharing a prefix in one batch, then a pool small enough to preempt:
+    every request gets the reference's greedy tokens."""
+    chunked = family.engine(max_num_seqs=4, max_num_batched_tokens=max_batched_tokens)
+    shared = seeded_prompt(5, 13)
+    prompts = [
+        seeded_prompt(6, 3),
+        shared + seeded_prompt(7, 20),
+        seeded_prompt(8, 31),
+        shared + seeded_prompt(9, 6),
+    ]
+    assert run_all(chunked, prompts, 9) == [family.hf_greedy(p, 9) for p in prompts]
+    tight = family.engine(num_blocks=14, max_num_seqs=3)
+    prompts = [seeded_prompt(10, 19), seeded_prompt(11, 17), seeded_prompt(12, 21)]
+    assert run_all(tight, prompts, 11) == [family.hf_greedy(p, 11) for p in prompts]
+    assert tight.counters.preemptions > 0
+    tight.manager.check()
+
+
+def check_request_mix(
+    family: TinyFamily, lengths: list[int], shared: int, num_blocks: int, budget: int
+) -> None:
+    """Prompts sharing a prefix of ``shared`` tokens, chunked by ``budget`` tokens a step, in
+    a pool of ``num_blocks`` (preempting where it must): the reference's greedy tokens, and
+    every block back in the pool at the end."""
+    prefix = seeded_prompt(40, shared)
+    prompts = [prefix + seeded_prompt(41 + i, n) for i, n in enumerate(lengths)]
+    n = 6
+    if any(len(p) + n > (num_blocks - 2) * family.block_size for p in prompts):
+        return  # every request must fit the pool alone
+    engine = family.engine(num_blocks=num_blocks, max_num_seqs=3, max_num_batched_tokens=budget)
+    assert run_all(engine, prompts, n) == [family.hf_greedy(p, n) for p in prompts]
+    engine.manager.check()
+    assert engine.manager.stats().used_blocks == 0

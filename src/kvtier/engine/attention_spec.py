@@ -11,7 +11,9 @@ it, so a check before any weight is read and the attention at run time agree.
 The paged attention (:mod:`kvtier.engine.paged`) applies a layer's window
 with :func:`first_visible`; :meth:`AttentionSpec.kv_tokens` says how many
 tokens of K/V each layer can still read at a given context length, which
-is what bounds the KV a sliding layer needs.
+is what bounds the KV a sliding layer needs. :func:`short_conv_layers`
+names the layers of a hybrid (LFM2) that are short convolutions rather
+than attention (:mod:`kvtier.engine.conv_layers`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from kvtier.errors import ConfigError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+#: A short causal convolution layer (LFM2), whose state is its last few tokens' features.
+CONV = "conv"
 
 #: Gemma 3's interleave when a config names neither ``layer_types`` nor a
 #: pattern: five sliding layers, then one full layer.
@@ -113,6 +117,22 @@ def attention_spec(get: Callable[[str], object]) -> AttentionSpec:
             + ": set sliding_window to the window in tokens"
         )
     return AttentionSpec(tuple(window if t == SLIDING else None for t in types))
+
+
+def short_conv_layers(get: Callable[[str], object]) -> tuple[int, ...]:
+    """The layers that are short causal convolutions rather than attention (LFM2).
+
+    LFM2 configs name them in ``layer_types`` (``"conv"``) or, in older files,
+    list the attention layers in ``full_attn_idxs`` (every other layer is a
+    convolution), as transformers' ``Lfm2Config`` reads them.
+    """
+    types = get("layer_types")
+    if isinstance(types, (list, tuple)):
+        return tuple(i for i, t in enumerate(types) if t == CONV)
+    layers, attention = get("num_hidden_layers"), get("full_attn_idxs")
+    if isinstance(layers, int) and layers > 0 and isinstance(attention, (list, tuple)):
+        return tuple(i for i in range(layers) if i not in attention)
+    return ()
 
 
 def _layer_types(get: Callable[[str], object], layers: int, window: object) -> list[object]:

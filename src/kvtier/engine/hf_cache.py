@@ -522,6 +522,10 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     before transformers 5.24): the cache must know each generated token's id
     to publish the blocks it fills.
     """
+    # LFM2's convolution layers keep their window in the cache's blocks too.
+    from kvtier.engine.conv_layers import install_short_convs
+
+    install_short_convs(model)
     if not getattr(model, _HOOK_ATTR, False):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         setattr(model, _HOOK_ATTR, True)

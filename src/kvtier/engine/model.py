@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.attention_spec import short_conv_layers
 from kvtier.engine.support import check_supported
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
@@ -90,7 +91,10 @@ def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
     """``(layers, attention heads, KV heads, head dim)`` from a decoder config's fields.
 
     ``get`` reads a field (``None`` when absent); shared by config objects,
-    ``config.json`` and GGUF metadata so all three agree.
+    ``config.json`` and GGUF metadata so all three agree. The head dim is the
+    width of a block's per-head slot: the latent's for MLA, and for a model
+    with short convolutions at least what holds ``hidden_size`` values per
+    token over K and V.
     """
 
     def num(name: str) -> int | None:
@@ -125,6 +129,13 @@ def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
         if hidden is None:
             raise ConfigError("the model config has neither head_dim nor hidden_size")
         head_dim = hidden // heads
+    if short_conv_layers(get):
+        # A short-convolution layer (LFM2) stores each token's hidden_size conv input
+        # split over its K and V slots, so a slot must hold hidden_size values: the
+        # head width grows to fit, and attention layers zero-pad their K/V to it.
+        if hidden is None:
+            raise ConfigError("a config with convolution layers needs hidden_size")
+        head_dim = max(head_dim, -(-hidden // (2 * kv_heads)))
     return layers, heads, kv_heads, head_dim
 
 

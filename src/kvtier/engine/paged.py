@@ -121,6 +121,11 @@ class BatchMeta:
     def num_tokens(self) -> int:
         return int(self.new_rows.shape[0])
 
+    @property
+    def seqs(self) -> Sequence[SeqSlice]:
+        """The pass's sequences, in the order their tokens are packed."""
+        return self._seqs
+
     def window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_rows, mask)`` for a layer whose queries see the last ``window`` positions."""
         view = self._windows.get(window)
@@ -215,9 +220,15 @@ def paged_attention(
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     else:
         # [1, heads, T, dim] -> [T, heads, dim]
-        storage.write_rows(
-            layer, meta.new_rows, key[0].transpose(0, 1), value[0].transpose(0, 1)
-        )
+        new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        width = storage.layout.head_dim
+        dims = (key.shape[-1], value.shape[-1])
+        narrow = dims if min(dims) < width else None
+        if narrow is not None:
+            # Slots widened for a model's convolution layers (LFM2): zero-pad, cut on read.
+            new_k = F.pad(new_k, (0, width - narrow[0]))
+            new_v = F.pad(new_v, (0, width - narrow[1]))
+        storage.write_rows(layer, meta.new_rows, new_k, new_v)
         # The model passes each layer's window (None for full attention), as it does to
         # transformers' own attention functions.
         window = kwargs.get("sliding_window")
@@ -226,6 +237,8 @@ def paged_attention(
         else:
             rows, mask = meta.kv_rows, meta.mask
         k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
+        if narrow is not None:
+            k, v = k[..., : narrow[0]], v[..., : narrow[1]]
     B, Q = meta.B, meta.Q
     kv_heads, dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     k = k.reshape(B, -1, kv_heads, dim).transpose(1, 2)
@@ -305,7 +318,11 @@ def _store_latents(model: Any) -> None:
 
 
 def install(model: Any) -> None:
-    """Switch ``model`` to :func:`paged_attention` (plain SDPA whenever no batch is given)."""
+    """Switch ``model`` to :func:`paged_attention` (plain SDPA whenever no batch is given).
+
+    Short-convolution layers (LFM2) are switched to their block-backed form too
+    (:mod:`kvtier.engine.conv_layers`).
+    """
     global _registered
     if not _registered:
         from transformers import AttentionInterface
@@ -318,3 +335,6 @@ def install(model: Any) -> None:
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _store_latents(model)
+    from kvtier.engine.conv_layers import install_short_convs
+
+    install_short_convs(model)

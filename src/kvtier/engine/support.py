@@ -4,10 +4,13 @@ kvtier stores one K and one V per KV head for every token of every layer.
 Its paged attention gives each query either its sequence's whole past (full
 causal attention) or the last ``sliding_window`` positions of it (a sliding
 layer, :mod:`kvtier.engine.attention_spec`). That is exactly what a plain
-decoder computes, Gemma 3's interleave of sliding and full layers included,
-and nothing else: a chunked local layer attends within its chunk, a
-linear-attention or Mamba layer keeps a fixed-size state instead of K/V,
-multi-head latent attention (MLA) caches one compressed vector per token,
+decoder computes, Gemma 3's interleave of sliding and full layers included.
+Two more kinds of layer are served from the same per-token slots: DeepSeek
+V3's multi-head latent attention (MLA) from its compressed latent
+(:mod:`kvtier.engine.paged`), and LFM2's short causal convolutions from each
+token's convolution input (:mod:`kvtier.engine.conv_layers`). Nothing else
+is: a chunked local layer attends within its chunk, a linear-attention or
+Mamba layer carries a recurrent state that no window of tokens holds,
 attention sinks add a learned logit to every softmax, and soft-capping bends
 the attention logits. Served through kvtier's blocks, such a model would
 answer differently from the model itself, without a word.
@@ -24,14 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.engine.attention_spec import SLIDING, attention_spec
+from kvtier.engine.attention_spec import CONV, SLIDING, attention_spec
 from kvtier.errors import ConfigError
 
-#: ``model_type`` values whose every layer is full causal attention or
-#: sliding-window attention over per-head K/V (with the feature checks below):
-#: served exactly.
+#: ``model_type`` values whose every layer is full causal attention, sliding-window
+#: attention, MLA or a short convolution, all kept per token in the blocks (with the
+#: feature checks below): served exactly.
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v3"}
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v3", "lfm2", "lfm2_moe"}
 )
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
@@ -41,6 +44,10 @@ MLA_MODEL_TYPES = frozenset({"deepseek_v3"})
 #: Of those, the families whose sliding-window layers have been checked
 #: against the model's own answers (the others must be full attention).
 SLIDING_WINDOW_MODEL_TYPES = frozenset({"gemma3_text", "mistral", "qwen2", "qwen3"})
+
+#: Of those, the hybrids whose other layers are short causal convolutions (LFM2), served
+#: from each token's convolution input in the blocks (:mod:`kvtier.engine.conv_layers`).
+SHORT_CONV_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe"})
 
 #: Known families kvtier does not serve yet, by the attention type that rules them out.
 _KNOWN_UNSUPPORTED = {
@@ -70,8 +77,6 @@ _KNOWN_UNSUPPORTED = {
         "qwen3_5_moe",
         "qwen3_5_moe_text",
         "minimax",
-        "lfm2",
-        "lfm2_moe",
     ),
     "Mamba / state-space layers": (
         "mamba",
@@ -102,14 +107,16 @@ _LAYER_KIND = {
     "chunked_attention": "chunked local attention",
     "linear_attention": "linear attention",
     "mamba": "Mamba / state-space layers",
-    "conv": "convolution layers with a recurrent state",
+    "conv": "short convolution layers in a family kvtier has not checked them for",
 }
 
 _ADVICE = (
-    "kvtier serves decoder-only models built from full causal attention layers "
-    f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}) and sliding-window attention layers "
-    f"({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}); serve this model with an engine that "
-    "implements its attention, or pick a supported model"
+    "kvtier serves decoder-only models of the families "
+    f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}, built from full causal attention, "
+    f"sliding-window attention ({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}), "
+    f"multi-head latent attention ({', '.join(sorted(MLA_MODEL_TYPES))}) and short causal "
+    f"convolutions ({', '.join(sorted(SHORT_CONV_MODEL_TYPES))}); serve this model with an "
+    "engine that implements its attention, or pick a supported model"
 )
 
 
@@ -143,9 +150,15 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
 def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str | None:
     """The first config feature kvtier does not implement, described; ``None`` if none."""
     sliding_ok = name in SLIDING_WINDOW_MODEL_TYPES
+    if name in SHORT_CONV_MODEL_TYPES:
+        conv = _short_conv_feature(get)
+        if conv is not None:
+            return conv
     layer_types = get("layer_types")
     if isinstance(layer_types, (list, tuple)):
         allowed = {"full_attention", SLIDING} if sliding_ok else {"full_attention"}
+        if name in SHORT_CONV_MODEL_TYPES:
+            allowed.add(CONV)
         odd = sorted({str(t) for t in layer_types if t not in allowed})
         if odd:
             kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
@@ -182,6 +195,27 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
     for field in ("layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg"):
         if get(field) is not None:
             return f"Mamba / state-space layers ({field} is set)"
+    return None
+
+
+def _short_conv_feature(get: Callable[[str], object]) -> str | None:
+    """What an LFM2 config asks for beyond what its convolution layers implement."""
+    layers = get("num_hidden_layers")
+    types = get("layer_types")
+    if types is None and get("full_attn_idxs") is None:
+        # transformers would then make every layer attention; a file that says nothing
+        # (a GGUF file's metadata, say) more likely just does not say which are convolutions.
+        return (
+            "an unknown plan of convolution and attention layers "
+            "(neither layer_types nor full_attn_idxs is set)"
+        )
+    if isinstance(types, (list, tuple)) and _positive(layers) and len(types) != layers:
+        return f"layer_types naming {len(types)} layers for num_hidden_layers={layers}"
+    kernel = get("conv_L_cache")
+    if kernel is not None and not _positive(kernel):
+        return f"a convolution kernel kvtier cannot read (conv_L_cache={kernel!r})"
+    if not _positive(get("hidden_size")):
+        return "convolution layers of unknown width (hidden_size is not set)"
     return None
 
 
