@@ -44,15 +44,22 @@ def serving(
     image_limits: ImageLimits | None = None,
     auth: ServerAuth | None = None,
     tls: dict[str, str] | None = None,
+    role: str = "both",
 ) -> Iterator[Server]:
     """Serve ``engine`` with uvicorn on a free loopback port, in a background thread.
 
     ``tls`` holds uvicorn's ``ssl_certfile`` and ``ssl_keyfile``: the server speaks https.
+    ``role`` is its side of prefill/decode disaggregation.
     """
     worker = EngineWorker(engine).start()
-    app = create_app(
-        worker, served_model_name=name, limits=limits, image_limits=image_limits, auth=auth
-    )
+    try:
+        app = create_app(
+            worker, served_model_name=name, limits=limits, image_limits=image_limits, auth=auth,
+            role=role,
+        )  # fmt: skip
+    except BaseException:
+        worker.stop()
+        raise
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -9,7 +9,10 @@ from PyPI in front of them: vLLM's ``vllm-router`` (the default) or SGLang's
 (approximate prefix tree) routing. It prints the router's URL, relays every
 child's output prefixed with its name, and on Ctrl-C (or SIGTERM) stops the
 router, then the instances, then Redis. If any child dies, the others are
-stopped and the command exits with status 1.
+stopped and the command exits with status 1. With ``--pd`` the instances
+split into prefill and decode roles (``kvtier serve --role``) behind
+vllm-router's prefill/decode mode, handing each prompt's KV over through
+the shared Redis (:mod:`kvtier.server.disagg`).
 
 Children run in their own sessions so a terminal's Ctrl-C reaches this process
 only, and the shutdown happens in order: the router first, so no request is
@@ -116,6 +119,7 @@ examples:
   kvtier cluster --redis redis://10.0.0.5:6379/0 --routing round_robin
   kvtier cluster --router sglang --model ./Qwen2.5-0.5B-Instruct -- --kv-cache-memory 1GiB
   kvtier cluster --router-arg=--cache-threshold=0.5  # any flag of the router itself
+  kvtier cluster --pd --start-redis                 # 1 prefill + 1 decode instance, P/D router
 """
 
 
@@ -286,13 +290,24 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 # -- the command ----------------------------------------------------------------------------
 
 
-def _serve_argv(args: argparse.Namespace, instance_port: int, tier: str | None) -> list[str]:
+def _roles(args: argparse.Namespace) -> list[str | None]:
+    """Each instance's ``--role``: with ``--pd``, the first ``--prefill-instances`` prefill."""
+    if not args.pd:
+        return [None] * args.instances
+    return ["prefill" if i < args.prefill_instances else "decode" for i in range(args.instances)]
+
+
+def _serve_argv(
+    args: argparse.Namespace, instance_port: int, tier: str | None, role: str | None = None
+) -> list[str]:
     argv = [sys.executable, "-m", "kvtier.cli", "serve", "--host", args.host]
     argv += ["--port", str(instance_port)]
     if args.model:
         argv += ["--model", os.path.expanduser(args.model)]
     if tier:
         argv += ["--tier", tier]
+    if role:
+        argv += ["--role", role]
     return argv + list(args.serve_args)
 
 
@@ -340,11 +355,23 @@ def _wait_serving(children: Sequence[Child], timeout_s: float) -> None:
 
 
 def _router_argv(
-    args: argparse.Namespace, kind: RouterKind, router_port: int, urls: Sequence[str]
+    args: argparse.Namespace,
+    kind: RouterKind,
+    router_port: int,
+    urls: Sequence[str],
+    roles: Sequence[str | None] = (),
 ) -> list[str]:
     metrics_port = args.router_metrics_port or free_port()
     argv = [sys.executable, "-m", kind.module, "--host", args.host, "--port", str(router_port)]
-    argv += ["--worker-urls", *urls, "--policy", args.routing]
+    if args.pd:
+        # vLLM's P/D mode: prefill first (max_tokens 1), then decode with the
+        # kv_transfer_params the prefill instance answered.
+        argv += ["--vllm-pd-disaggregation", "--worker-startup-check-interval", "1"]
+        for url, role in zip(urls, roles, strict=True):
+            argv += ["--prefill" if role == "prefill" else "--decode", url]
+        argv += ["--policy", args.routing]
+    else:
+        argv += ["--worker-urls", *urls, "--policy", args.routing]
     argv += ["--prometheus-port", str(metrics_port), "--prometheus-host", args.host]
     argv += ["--log-level", "info" if args.verbose else kind.quiet_level]
     return argv + list(args.router_arg or ())
@@ -376,6 +403,7 @@ def _watch(children: Sequence[Child]) -> Child | None:
 def run(args: argparse.Namespace) -> int:
     kind = ROUTERS[args.router]
     check_router(kind, args.routing)
+    check_pd(args)
     if args.start_redis:
         check_redis_server()
     if args.instance_port and args.instance_port + args.instances - 1 > 65535:
@@ -398,25 +426,30 @@ def run(args: argparse.Namespace) -> int:
         if args.start_redis:
             redis, tier = _start_redis(args, workdir)
         env = _instance_env(args.instances)
-        for i in range(args.instances):
+        roles = _roles(args)
+        for i, role in enumerate(roles):
             instance_port = args.instance_port + i if args.instance_port else 0
-            argv = _serve_argv(args, instance_port, tier)
-            instances.append(_spawn(f"serve {i + 1}", argv, env=env, echo=True))
+            argv = _serve_argv(args, instance_port, tier, role)
+            name = f"{role} {i + 1}" if role else f"serve {i + 1}"
+            instances.append(_spawn(name, argv, env=env, echo=True))
         _wait_serving(instances, args.startup_timeout)
         urls = [child.serving.group("url") for child in instances if child.serving]
-        router_argv = _router_argv(args, kind, router_port, urls)
+        router_argv = _router_argv(args, kind, router_port, urls, roles)
         router = _spawn("router", router_argv, only=None if args.verbose else _ROUTER_NEWS)
         url = f"http://{host}:{router_port}"
         _wait_router(router, url, args.startup_timeout)
         name = instances[0].serving.group("name") if instances[0].serving else "?"
+        mode = ", prefill/decode disaggregated" if args.pd else ""
         print(
             f"kvtier: cluster of {len(instances)} kvtier serve behind {kind.command} "
-            f"({args.routing} routing)",
+            f"({args.routing} routing{mode})",
             flush=True,
         )
-        for i, (child, instance_url) in enumerate(zip(instances, urls, strict=True)):
+        for i, (child, instance_url, role) in enumerate(zip(instances, urls, roles, strict=True)):
             print(
-                f"kvtier:   instance {i + 1}: {instance_url}/v1 (pid {child.proc.pid})", flush=True
+                f"kvtier:   instance {i + 1}: {instance_url}/v1 (pid {child.proc.pid})"
+                + (f" --role {role}" if role else ""),
+                flush=True,
             )
         if tier:
             where = "redis-server started here" if redis else "given"
@@ -566,6 +599,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         f"(default {DEFAULT_STARTUP_TIMEOUT_S:g})",
     )
     cluster.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: the first --prefill-instances instances run "
+        "--role prefill, the others --role decode, behind vllm-router's P/D mode; needs "
+        "--start-redis or --redis (the KV goes from prefill to decode through it)",
+    )
+    cluster.add_argument(
+        "--prefill-instances",
+        type=arg(positive_int, "instance count"),
+        default=1,
+        metavar="N",
+        help="with --pd, how many instances prefill (default 1; the rest decode)",
+    )
+    cluster.add_argument(
         "--verbose", action="store_true", help="relay the router's and Redis's info logs too"
     )
     cluster.add_argument(
@@ -576,6 +623,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     cluster.set_defaults(func=_run_checked)
     return cluster
+
+
+def check_pd(args: argparse.Namespace) -> None:
+    """ConfigError unless ``--pd`` has what it needs: vllm-router, a shared tier, both roles."""
+    if not args.pd:
+        return
+    if args.router != "vllm":
+        raise ConfigError(
+            "--pd runs vllm-router in its P/D mode (--vllm-pd-disaggregation); sglang-router's "
+            "P/D mode speaks SGLang's bootstrap protocol, not vLLM's kv_transfer_params: "
+            "drop --router sglang"
+        )
+    if not (args.redis or args.start_redis):
+        raise ConfigError(
+            "--pd hands each prompt's KV from the prefill to the decode instances through a "
+            "shared Redis tier: add --start-redis, or --redis URL"
+        )
+    if not 1 <= args.prefill_instances < args.instances:
+        raise ConfigError(
+            f"--pd needs at least one prefill and one decode instance: --prefill-instances "
+            f"{args.prefill_instances} of --instances {args.instances} leaves "
+            f"{args.instances - args.prefill_instances} to decode"
+        )
 
 
 def _run_checked(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from kvtier.cli.serve_config import (
     default_max_tokens_line,
     engine_config,
     image_limits,
+    pd_role,
     server_limits,
 )
 from kvtier.cli.serve_flags import DEFAULT_MAX_TOKENS, EPILOG, add_flags
@@ -151,9 +152,11 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     config = engine_config(args)
     config.check_prefetch(bool(config.tiers))
+    role = pd_role(args, config)
     limits = server_limits(args)
     images = image_limits(args)
     auth, auth_warnings = server_auth(args)
+    limits.tenants.check_tenants(auth.tenants())
     tls = tls_settings(args)
     _check_device(args.device)
     logging.basicConfig(
@@ -185,7 +188,12 @@ def run(args: argparse.Namespace) -> int:
         worker = EngineWorker(engine, on_fatal=on_fatal).start()
         try:
             app = create_app(
-                worker, served_model_name=name, limits=limits, image_limits=images, auth=auth
+                worker,
+                served_model_name=name,
+                limits=limits,
+                image_limits=images,
+                auth=auth,
+                role=role,
             )
             uv_config = uvicorn.Config(
                 app, log_level=args.log_level, timeout_graceful_shutdown=5, **tls
@@ -201,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             for line in access_lines(auth, tls):
                 print(f"kvtier: {line}", flush=True)
             print(f"kvtier: {default_max_tokens_line(limits, engine.max_model_len)}", flush=True)
+            print(f"kvtier: {limits.tenants.describe()}", flush=True)
             print(
                 f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
                 f"try: curl {url}/v1/models)",

@@ -123,8 +123,32 @@ def image_limits(args: argparse.Namespace) -> Any:
     )
 
 
+def pd_role(args: argparse.Namespace, config: Any) -> str:
+    """``--role`` checked against the tiers and prefix caching (before the model loads)."""
+    from kvtier.offload.registry import make_medium
+    from kvtier.offload.tier import write_mode_of
+    from kvtier.server.disagg import check_role
+
+    role = str(getattr(args, "role", "both"))
+    shared = through = False
+    for spec in config.tiers:
+        medium = make_medium(spec.medium, spec.location, dict(spec.options))
+        try:
+            if medium.caps.shared:
+                shared = True
+                # --write-mode overrides every tier's own write= setting.
+                mode = config.write_mode or spec.write_mode
+                through = through or write_mode_of(mode, "write_through") == "write_through"
+        finally:
+            medium.close()
+    return check_role(
+        role, shared_tier=shared, writes_through=through, prefix_caching=config.cache.prefix_caching
+    )
+
+
 def server_limits(args: argparse.Namespace) -> Any:
     from kvtier.server.limits import ServerLimits
+    from kvtier.server.tenant_limits import build_tenant_limits
 
     if args.default_max_tokens < 0:
         raise ConfigError(
@@ -138,6 +162,9 @@ def server_limits(args: argparse.Namespace) -> Any:
         max_queued=args.max_queued_requests,
         body_timeout_s=args.request_timeout,
         default_max_tokens=args.default_max_tokens,
+        tenants=build_tenant_limits(
+            args.tenant_max_requests, args.tenant_max_kv_fraction, args.tenant_limit or ()
+        ),
     )
 
 

@@ -74,6 +74,8 @@ examples:
   kvtier serve --tier device:256MiB --tier host:2GiB
   kvtier serve --model ./Qwen2.5-0.5B-Instruct --served-model-name qwen --dtype bfloat16
   kvtier serve --default-max-tokens 0    # no cap for requests without max_tokens
+  kvtier serve --api-key-file keys.txt --tenant-max-requests 8 \\
+    --tenant-max-kv-fraction 0.5 --tenant-limit alpha:max_requests=32
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperature": 0,
          "messages": [{"role": "user", "content": "Hi"}]}'
@@ -216,6 +218,15 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep every request's KV blocks private (no reuse across requests)",
     )
+    serve.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill/decode disaggregation behind a P/D router (vllm-router "
+        "--vllm-pd-disaggregation): prefill computes prompts and hands their KV over on the "
+        "shared --tier redis://...; decode loads it and generates. Both need the same shared "
+        "tier, model and --block-size. Default both: prefill and decode here",
+    )
     _add_limits(serve)
     _add_tiers(serve)
     _add_pressure(serve)
@@ -276,6 +287,41 @@ def _add_limits(serve: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="longest a client may take to send its request body; then 408 (default 30)",
+    )
+    _add_tenant_limits(serve)
+
+
+def _add_tenant_limits(serve: argparse.ArgumentParser) -> None:
+    tenants = serve.add_argument_group(
+        "per-tenant limits",
+        "What one tenant (the TENANT of --api-key KEY:TENANT; requests whose key has no "
+        "tenant, or of a server without keys, are one shared anonymous tenant) may hold: a "
+        "request over a limit is answered 429 with Retry-After at admission. A request "
+        "counts from admission until it finishes, is cancelled, fails, or moves to another "
+        "server. Default: no limit.",
+    )
+    tenants.add_argument(
+        "--tenant-max-requests",
+        type=arg(_integer, "integer"),
+        metavar="N",
+        help="requests one tenant may have in the server at once, waiting or running; one "
+        "more gets 429 (default: no limit)",
+    )
+    tenants.add_argument(
+        "--tenant-max-kv-fraction",
+        type=float,
+        metavar="F",
+        help="share of the device KV cache, in (0, 1], one tenant's requests may hold: while "
+        "they hold at least F of the blocks, a new request of the tenant gets 429. Checked at "
+        "admission only: a running request is never preempted for it (default: no limit)",
+    )
+    tenants.add_argument(
+        "--tenant-limit",
+        action="append",
+        metavar="TENANT:SETTINGS",
+        help="limits of one tenant, overriding the two flags above, e.g. "
+        "alpha:max_requests=8,max_kv_fraction=0.5 (either setting may be left out and keeps "
+        "the default; repeatable; TENANT must be a tenant of an API key)",
     )
 
 

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvtier.engine.engine import Engine, RequestOutput
@@ -44,6 +44,17 @@ BACKGROUND_POLL_S = 0.005
 STEP_LOG_INTERVAL_S = 10.0
 
 T = TypeVar("T")
+
+
+def _left(callback: Callable[[], None] | None) -> None:
+    """Run an :meth:`EngineWorker.on_leave` callback; its failure is logged, never raised
+    into the thread that noticed the request leave."""
+    if callback is None:
+        return
+    try:
+        callback()
+    except Exception:
+        log.exception("a request's on_leave callback raised")
 
 
 def _put_all(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
@@ -196,6 +207,8 @@ class EngineWorker:
         self._calls: list[Callable[[Engine], None]] = []
         #: Requests that moved to another engine: how to cancel them there.
         self._moved: dict[str, Callable[[], None]] = {}
+        #: What to call once a request leaves this worker (:meth:`on_leave`).
+        self._on_leave: dict[str, Callable[[], None]] = {}
         self._stop = False
         self._ids = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -310,11 +323,46 @@ class EngineWorker:
         """Forget a handle :meth:`open_handle` gave whose request never started."""
         with self._cv:
             self._handles.pop(handle.request_id, None)
+            left = self._on_leave.pop(handle.request_id, None)
+        _left(left)
 
     def forward(self, request_id: str, cancel: Callable[[], None]) -> None:
         """``request_id`` now runs elsewhere: :meth:`cancel` calls ``cancel`` instead."""
         with self._cv:
             self._moved[request_id] = cancel
+            left = self._on_leave.pop(request_id, None)
+        _left(left)
+
+    def on_leave(self, request_id: str, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once when ``request_id`` leaves this worker, on whichever
+        thread that happens: its last output handed out (finished, cancelled or failed),
+        its handle closed, or the request moved to another engine (:meth:`forward`). At once
+        when it already left. A later registration for the same request replaces the earlier.
+        """
+        with self._cv:
+            if request_id in self._handles and request_id not in self._moved:
+                self._on_leave[request_id] = callback
+                return
+        _left(callback)
+
+    def blocks_held(
+        self, request_ids: Collection[str], timeout: float | None = 30.0
+    ) -> tuple[int, int]:
+        """The distinct device KV blocks the queued choices of ``request_ids`` hold (a block
+        two of them share counts once), and the device pool's block count; read between
+        steps on the worker thread (see :meth:`call` for ``timeout``)."""
+        wanted = tuple(request_ids)
+
+        def read(engine: Engine) -> tuple[int, int]:
+            manager = engine.manager
+            blocks: set[int] = set()
+            for rid in wanted:
+                for seq in engine.queues.group(rid):
+                    if seq.seq_id in manager:
+                        blocks.update(manager.held_blocks(seq.seq_id))
+            return len(blocks), manager.num_blocks
+
+        return self.call(read, timeout)
 
     def deliver(self, outs: Sequence[RequestOutput]) -> None:
         """Hand outputs produced elsewhere (by a moved request) to their handles; any thread."""
@@ -452,6 +500,8 @@ class EngineWorker:
                 if target._undelivered <= 0:
                     with self._cv:
                         self._handles.pop(out.request_id, None)
+                        left = self._on_leave.pop(out.request_id, None)
+                    _left(left)
             loop, q = target._loop, target._async
             if loop is not None and q is not None and target._sink is target._loop_sink:
                 batches.setdefault(loop, []).append((q, out))
@@ -465,6 +515,8 @@ class EngineWorker:
 
         with self._cv:
             self._handles.pop(handle.request_id, None)
+            left = self._on_leave.pop(handle.request_id, None)
+        _left(left)
         for i in range(handle.n):
             handle._deliver(
                 RequestOutput(

@@ -14,13 +14,17 @@
   (:mod:`kvtier.server.admin`);
 * ``/v1/workflows``: register agent step graphs and report their progress
   (:mod:`kvtier.server.workflows`); completions take agent hints in a
-  ``kvtier`` object (:mod:`kvtier.hints`).
+  ``kvtier`` object (:mod:`kvtier.hints`);
+* prefill/decode disaggregation: completions carrying vLLM's
+  ``kv_transfer_params`` are prefilled here for another server, or decoded
+  here after another server prefilled them (:mod:`kvtier.server.disagg`).
 
 Every bad input is answered with HTTP 400 and OpenAI's error body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``;
 limits (:class:`~kvtier.server.limits.ServerLimits`) answer 413 (body too
 large), 408 (body too slow) and 429 with ``Retry-After`` (too many requests
-waiting); a generation that fails inside the engine is a 500 ``server_error``
+waiting, or a tenant over its own limits: :mod:`kvtier.server.tenant_limits`); a
+generation that fails inside the engine is a 500 ``server_error``
 with its traceback logged (or, when streaming, an error event before
 ``[DONE]``), and memory pressure refusing a request is a 503. A client that
 disconnects cancels its request, and the blocks it computed stay cached.
@@ -36,7 +40,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -52,9 +56,10 @@ if TYPE_CHECKING:
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.mm.images import ImageLimits, check_count, load_image
-from kvtier.server.auth import AuthGuard, ServerAuth
+from kvtier.server.auth import AuthGuard, ServerAuth, tenant_of
+from kvtier.server.disagg import Disaggregation, Transfer
 from kvtier.server.grammar import ToolGrammars
-from kvtier.server.limits import BodyGuard, ServerLimits
+from kvtier.server.limits import BodyGuard, Rejections, ServerLimits
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvtier.server.metrics import (
     EngineSnapshot,
@@ -74,6 +79,7 @@ from kvtier.server.streaming import (
     json_bytes,
     usage_body,
 )
+from kvtier.server.tenant_limits import TenantGate, TenantLimitExceeded, TicketGuard
 from kvtier.server.tenants import encode_images_for, for_tenant
 from kvtier.server.tools import encode_tool_chat, parse_tool_calls
 
@@ -177,6 +183,7 @@ def create_app(
     limits: ServerLimits | None = None,
     image_limits: ImageLimits | None = None,
     auth: ServerAuth | None = None,
+    role: str = "both",
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving ``worker``'s engine as ``served_model_name``.
 
@@ -184,6 +191,8 @@ def create_app(
     ``image_limits`` bound the images a chat request may send to a
     vision-language model. ``auth`` (:mod:`kvtier.server.auth`) names the API keys, their
     tenants and the admin key; without it the API is open and ``/admin/...`` is off.
+    ``role`` is the server's side of prefill/decode disaggregation (``both``,
+    ``prefill`` or ``decode``; :mod:`kvtier.server.disagg`).
     """
     engine = worker.engine
     limits = limits or ServerLimits()
@@ -197,14 +206,25 @@ def create_app(
         version=_version(),
         default_response_class=SafeJSONResponse,
     )
+    tenant_gate = TenantGate(limits.tenants, worker)
+    rejections = Rejections()
+    # Innermost: it sees the response end, and releases a ticket no request took.
+    app.add_middleware(TicketGuard, gate=tenant_gate)
     app.add_middleware(BodyGuard, limits=limits)
     auth = auth or ServerAuth()
+    limits.tenants.check_tenants(auth.tenants())
     app.add_middleware(AuthGuard, auth=auth)  # outermost: refuses before a body is read
     app.state.auth = auth
     app.state.worker = worker
     app.state.served_model_name = served_model_name
     app.state.limits = limits
     app.state.max_prompt_chars = max_chars
+    app.state.tenant_gate = tenant_gate
+    app.state.rejections = rejections
+    # Prefill/decode disaggregation (kvtier.server.disagg): the role is checked here
+    # against the engine's tiers, ConfigError if it cannot work.
+    pd = Disaggregation(worker, role)
+    app.state.disaggregation = pd
 
     @functools.cache
     def tool_grammars() -> ToolGrammars:
@@ -280,6 +300,7 @@ def create_app(
             raise APIError(503, "the engine is not running", type="server_error")
         cap = engine.max_num_seqs + limits.max_queued
         if worker.in_flight >= cap:
+            rejections.add("queue_full")
             raise APIError(
                 429,
                 f"too many requests: {cap} are already queued or running (the server's "
@@ -289,6 +310,26 @@ def create_app(
                 headers={"Retry-After": retry_after()},
             )
 
+    async def admit_request(scope: Any) -> None:
+        """:func:`admit`, then the limits of the request's tenant (counted once per request)."""
+        admit()
+        try:
+            await tenant_gate.admit(scope)
+        except TenantLimitExceeded as exc:
+            rejections.add(exc.reason)
+            c = engine.counters
+            # One of the tenant's requests ending frees its place: about one request's time.
+            mean = c.e2e_seconds / c.e2e_count if c.e2e_count else 1.0
+            raise APIError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(min(max(math.ceil(mean), 1), 60))},
+            ) from None
+        except KvTierError as exc:
+            raise APIError(503, f"the engine did not answer: {exc}", type="server_error") from None
+
     async def submit(
         ids: list[int],
         params: SamplingParams,
@@ -297,10 +338,15 @@ def create_app(
         mm: Any = None,
         hints: Hints | None = None,
         cache_salt: str | None = None,
+        scope: Any = None,
     ) -> RequestHandle:
-        admit()
+        """Queue the request; ``scope`` (its ASGI scope) ties its tenant's count to it."""
+        if scope is None:
+            admit()
+        else:
+            await admit_request(scope)
         try:
-            return worker.submit(
+            handle = worker.submit(
                 ids,
                 params,
                 loop=asyncio.get_running_loop(),
@@ -318,6 +364,9 @@ def create_app(
             raise APIError(400, str(exc), param=param, code=code) from None
         except KvTierError as exc:
             raise APIError(503, f"the engine is not running: {exc}", type="server_error") from None
+        if scope is not None:
+            tenant_gate.bind(scope, handle)
+        return handle
 
     async def snapshot() -> EngineSnapshot:
         if not worker.alive:  # no thread owns the engine any more: read it here
@@ -360,6 +409,7 @@ def create_app(
         include_usage: bool,
         stream: Callable[..., AsyncIterator[bytes]],
         choice: Callable[[str, list[Any], str | None], dict[str, Any]],
+        extra: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> JSONResponse | StreamingResponse:
         """A completion's response: SSE when streaming, else one OpenAI-shaped JSON body."""
         now = int(time.time())
@@ -390,7 +440,25 @@ def create_app(
                 "choices": choices,
                 "usage": usage_body(acc.finals()),
                 "system_fingerprint": None,
+                **({} if extra is None else await extra()),
             }
+        )
+
+    def handoff(
+        transfer: Transfer | None,
+        ids: list[int],
+        salt: str | None,
+        request: Request,
+        handle: RequestHandle,
+    ) -> Callable[[], Awaitable[dict[str, Any]]] | None:
+        """For a prefill request, what adds the decode side's ``kv_transfer_params``."""
+        return pd.answer(
+            transfer,
+            ids,
+            salt,
+            request_id=request.headers.get("x-request-id") or handle.request_id,
+            host=request.url.hostname,
+            port=request.url.port,
         )
 
     # -- endpoints ------------------------------------------------------------------------
@@ -424,7 +492,8 @@ def create_app(
         # Parameters are checked before the prompt is tokenized: a bad one costs nothing.
         params = body.sampling_params(requested or 1, engine.sampling_defaults)
         salt, hints = for_tenant(request.scope, body.cache_salt, body.agent_hints())
-        admit()
+        transfer = pd.transfer(body.kv_transfer_params, streaming=body.streaming)
+        await admit_request(request.scope)
         if urls:
             ids, mm = await asyncio.to_thread(
                 _encode_with_images, engine, messages, urls, images, salt
@@ -441,9 +510,17 @@ def create_app(
         if tool_req is not None and tool_req.constrained:
             factory = await asyncio.to_thread(tool_grammars().constraint_for, tool_req)
             params = dataclasses.replace(params, constraint=factory)
+        params = pd.sampling(transfer, params)
         handle = await submit(
-            ids, params, prompt_param="messages", mm=mm, hints=hints, cache_salt=salt
+            ids,
+            params,
+            prompt_param="messages",
+            mm=mm,
+            hints=hints,
+            cache_salt=salt,
+            scope=request.scope,
         )
+        handle = pd.observe(handle, transfer, ids, salt)
         parse = tool_req is not None and tool_req.parses
 
         def choice(text: str, lps: list[Any], finish: str | None) -> dict[str, Any]:
@@ -474,6 +551,7 @@ def create_app(
             body.include_usage,
             stream,
             choice,
+            handoff(transfer, ids, salt, request, handle),
         )
 
     @app.post("/v1/completions", response_model=None)
@@ -489,13 +567,18 @@ def create_app(
             max_tokens = min(max_tokens, limits.default_max_tokens or max_tokens)
         params = body.sampling_params(max_tokens, engine.sampling_defaults)
         salt, hints = for_tenant(request.scope, body.cache_salt, body.agent_hints())
+        transfer = pd.transfer(body.kv_transfer_params, streaming=body.streaming)
+        params = pd.sampling(transfer, params)
         if isinstance(prompt, str):
             check_chars(len(prompt), "prompt")
-            admit()
+            await admit_request(request.scope)
             ids = await asyncio.to_thread(engine.encode_prompt, prompt)
         else:
             ids = prompt
-        handle = await submit(ids, params, prompt_param="prompt", hints=hints, cache_salt=salt)
+        handle = await submit(
+            ids, params, prompt_param="prompt", hints=hints, cache_salt=salt, scope=request.scope
+        )
+        handle = pd.observe(handle, transfer, ids, salt)
 
         def choice(text: str, lps: list[Any], finish: str | None) -> dict[str, Any]:
             lp = completion_logprobs(tokens, lps) if params.logprobs is not None else None
@@ -510,6 +593,7 @@ def create_app(
             body.include_usage,
             completion_stream,
             choice,
+            handoff(transfer, ids, salt, request, handle),
         )
 
     @app.get("/v1/models")
@@ -537,6 +621,8 @@ def create_app(
     # A registry per app (not prometheus_client's global one); its collector
     # reads the engine on the worker's thread at each scrape.
     registry = metrics_registry(worker_reader(worker, SNAPSHOT_TIMEOUT_S))
+    registry.register(rejections)
+    registry.register(pd)
     app.state.metrics_registry = registry
 
     @app.get("/metrics", response_model=None)
@@ -550,7 +636,7 @@ def create_app(
         return Response(body, media_type=content_type)
 
     @app.get("/v1/cache/stats")
-    async def cache_stats() -> dict[str, Any]:
+    async def cache_stats(request: Request) -> dict[str, Any]:
         from kvtier.server.workflows import session_stats
 
         snap = await snapshot()
@@ -603,7 +689,16 @@ def create_app(
             "block_size": layout.block_size,
             "bytes_per_block": layout.bytes_per_block,
             "kv_cache_bytes": layout.bytes_per_block * snap.stats.total_blocks,
+            # The caller's own tenant only: other tenants are /admin/tenants' to show.
+            "tenant": tenant_gate.caller_view(tenant_of(request.scope)),
+            "disaggregation": pd.stats(),
         }
+
+    @app.get("/admin/tenants", include_in_schema=False)
+    async def admin_tenants() -> dict[str, Any]:
+        """Every tenant's requests in flight and limits (names only; AuthGuard asks for the
+        admin key)."""
+        return tenant_gate.admin_view(auth.tenants())
 
     from kvtier.server.admin import register_admin
 

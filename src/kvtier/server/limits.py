@@ -8,18 +8,25 @@ and how many requests may wait for the engine (429 with ``Retry-After``).
 It also caps the completion of a request that sends no ``max_tokens``
 (:attr:`ServerLimits.default_max_tokens`), so a model that never emits its
 end-of-sequence token cannot run on to the end of the context unasked.
+Per-tenant limits (requests in flight, a share of the KV cache) are in
+:attr:`ServerLimits.tenants` (:mod:`kvtier.server.tenant_limits`).
+
+:class:`Rejections` counts the requests refused with 429, by reason, for
+``/metrics`` (``kvtier_rejected_requests_total{reason=...}``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+import threading
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.server.protocol import error_body
 from kvtier.server.streaming import json_bytes
+from kvtier.server.tenant_limits import TenantLimits
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -51,6 +58,9 @@ class ServerLimits:
     #: most (``--default-max-tokens``); 0: OpenAI's behaviour, a chat completion runs up to
     #: the context. ``/v1/completions`` keeps OpenAI's 16 when that is fewer.
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    #: Per-tenant limits: requests in flight and a share of the KV cache
+    #: (``--tenant-max-requests``, ``--tenant-max-kv-fraction``, ``--tenant-limit``).
+    tenants: TenantLimits = field(default_factory=TenantLimits)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages"):
@@ -75,6 +85,41 @@ class ServerLimits:
         after the prompt, at least 1) capped by :attr:`default_max_tokens` when that is set."""
         room = max(room, 1)
         return min(room, self.default_max_tokens) if self.default_max_tokens else room
+
+
+#: The reasons a request is refused with 429 (``kvtier_rejected_requests_total``'s label):
+#: the server's queue is full (``--max-queued-requests``), its tenant has its most requests
+#: in flight, or its tenant holds its share of the KV cache.
+REJECT_REASONS = ("queue_full", "tenant_max_requests", "tenant_kv_share")
+
+
+class Rejections:
+    """Requests refused with 429, by reason; a ``prometheus_client`` collector of
+    ``kvtier_rejected_requests_total``. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(REJECT_REASONS, 0)
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.metrics_core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            "kvtier_rejected_requests",
+            "Requests refused with HTTP 429 before reaching the engine, by reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.counts().items()):
+            family.add_metric([reason], n)
+        return [family]
 
 
 async def _reply(send: Send, status: int, message: str, code: str) -> None:

@@ -197,6 +197,8 @@ class _Sampling(_Body):
     cache_salt: Text | None = None
     #: kvtier's extension: agent hints (clients send it with ``extra_body``).
     kvtier: dict[str, Any] | None = None
+    #: vLLM's prefill/decode hand-over fields (:mod:`kvtier.server.disagg`), sent by P/D routers.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def agent_hints(self) -> Hints | None:
         """The request's ``kvtier`` hints, validated (unknown or malformed ones: 400)."""
