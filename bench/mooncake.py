@@ -9,7 +9,7 @@ handshake. Then, per repeat, on fresh keys:
 
 * kvtier: a ``TierChain`` whose single tier is the ``mooncake`` medium (raw
   codec; the process adds no segment, so every byte goes to the storage node
-  like a remote pool) stores the blocks (``_store_blocks`` then ``flush``:
+  like a remote pool) stores the blocks (``store_blocks`` then ``flush``:
   encode, checksum, ``put_batch``) and loads them back into the empty blocks
   (``load``: ``batch_get_buffer``, copy out, verify, write into the blocks);
 * ceiling, the same number of objects of the same size (header + payload)
@@ -68,8 +68,9 @@ from kvtier.engine.hf_cache import layout_for_model  # noqa: E402
 from kvtier.keys import Namespace  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
-from kvtier.offload.chain import Tier, TierChain  # noqa: E402
+from kvtier.offload.chain import TierChain  # noqa: E402
 from kvtier.offload.codec import HEADER_SIZE  # noqa: E402
+from kvtier.offload.tier import Tier  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -207,7 +208,7 @@ class KvTierPath:
         keys = rig.keys()
         rig.storage.tensor[rig.n :].zero_()
         t0 = time.perf_counter()
-        chain._store_blocks(0, keys, rig.src)
+        chain.store_blocks(0, keys, rig.src)
         chain.flush()
         store_s = time.perf_counter() - t0
         if self.tier.offload_manager.lookup(keys) != rig.n:

@@ -5,7 +5,7 @@ head dim 64, 16 tokens per block, float32: 737,280 bytes a block). A CPU
 ``KVBlockStorage`` holds ``--blocks`` blocks of random values plus as many
 empty ones. For each tier (host memory, disk, one Redis server) and codec
 (raw, int8, fp8), a ``TierChain`` with that single tier stores the blocks
-(``_store_blocks`` then ``flush``: encode, checksum, write) and loads them
+(``store_blocks`` then ``flush``: encode, checksum, write) and loads them
 back into the empty blocks (``load``: read, verify the checksum, decode,
 write into the device blocks). Next to each, in the same repeat and on the
 same bytes, a raw ceiling moves the blocks' bytes without kvtier:
@@ -91,11 +91,12 @@ from kvtier.engine.hf_cache import layout_for_model
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.manager import KVCacheManager
-from kvtier.offload.chain import Tier, TierChain
+from kvtier.offload.chain import TierChain
 from kvtier.offload.codec import HEADER_SIZE, make_codec
 from kvtier.offload.device_tier import DeviceStore
 from kvtier.offload.disk import DiskStore
 from kvtier.offload.host import HostStore
+from kvtier.offload.tier import Tier
 from kvtier.storage import KVBlockStorage
 
 BLOCK_SIZE = 16
@@ -257,7 +258,7 @@ class KvTierPath:
         rig.clear_dst()
         out: dict[str, float] = {}
         t0 = time.perf_counter()
-        chain._store_blocks(0, keys, rig.src)
+        chain.store_blocks(0, keys, rig.src)
         chain.flush()
         if not cold:
             out["store"] = time.perf_counter() - t0
