@@ -131,11 +131,14 @@ libibverbs:
 # KVTIER_REQUIRE_ALL=1: a missing dependency (vLLM, redis-server, the model)
 # fails the run instead of skipping its tests (see tests/needs.py).
 test-compiled: venv
-	KVTIER_REQUIRE_ALL=1 $(BIN)/python -m pytest -q
+	KVTIER_REQUIRE_ALL=1 $(BIN)/python -m pytest -q --durations=15
 
-# The real-model end-to-end tests (marked slow) run once, in the compiled pass.
+# The real-model end-to-end tests (marked slow) and the tests of real servers in
+# their own processes (marked process), whose code is the same in both forms, run
+# once, in the compiled pass.
 test-pure: venv
-	KVTIER_REQUIRE_ALL=1 KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
+	KVTIER_REQUIRE_ALL=1 KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow and not process" \
+	  --durations=15
 
 lint: venv
 	$(BIN)/ruff check src tests bench setup.py

@@ -27,6 +27,9 @@ agents = pytest.importorskip("agents", reason="openai-agents is not installed")
 
 from cli_launch import kvtier_cli, read_banner  # noqa: E402
 
+# Real servers in their own processes: run once, in the compiled pass (see the Makefile).
+pytestmark = pytest.mark.process
+
 MODEL = "tiny-agent"
 
 

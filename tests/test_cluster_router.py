@@ -46,6 +46,9 @@ _SERVING = re.compile(
     r"^kvtier: cluster serving (?P<name>.+) at (?P<url>\S+)/v1 \(router pid (?P<pid>\d+)"
 )
 
+# Real servers in their own processes: run once, in the compiled pass (see the Makefile).
+pytestmark = pytest.mark.process
+
 
 @dataclass
 class Cluster:

@@ -49,6 +49,9 @@ SYSTEM = (
     "Timetables change on the first Monday of each month; fares are in euros; the "
     "network has four lines named after colours: red, blue, green and yellow. "
 )
+
+# Real servers in their own processes: run once, in the compiled pass (see the Makefile).
+pytestmark = pytest.mark.process
 FIRST = SYSTEM + "Question: which lines does the network have?\nAnswer: The"
 SECOND = SYSTEM + "Question: when do timetables change?\nAnswer: They"
 

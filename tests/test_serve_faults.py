@@ -31,7 +31,11 @@ need_module("uvicorn", "pip install 'kvtier[serve]'")
 
 from kvtier.offload.codec import HEADER_SIZE  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+# Real servers in their own processes: run once, in the compiled pass (see the Makefile).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+    pytest.mark.process,
+]
 
 BLOCK = 16
 #: A device pool of 24 blocks holds three prompts of PROMPT_LEN: a fourth evicts the oldest.
