@@ -43,6 +43,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, ClassVar
 
 from kvtier.agents.graph import FAR
@@ -110,12 +111,15 @@ class _TailFirst(LRUPolicy):
 class _ByReturn(PolicyBase):
     """TTL-pinned keys: the key whose pin ends latest goes first, a chain's tail first.
 
-    ``until`` says when a key's pin ends (when its session is expected back).
+    ``expiry`` maps a key to when its pin ends (when its session is expected
+    back); a key it does not name never expires. The heap holds ``(-until,
+    -seq, key)`` entries, valid while ``_live[key]`` is their ``(-until,
+    -seq)``: a re-sort pushes a fresh entry and leaves the old one stale.
     """
 
-    def __init__(self, until: Callable[[int], float]) -> None:
+    def __init__(self, expiry: dict[int, float]) -> None:
         super().__init__()
-        self._until = until
+        self._expiry = expiry
         self._seq = 0
         #: Evictable keys -> the (-until, -seq) of their live heap entry.
         self._live: dict[int, tuple[float, int]] = {}
@@ -123,13 +127,46 @@ class _ByReturn(PolicyBase):
         self._held: set[int] = set()
 
     def _push(self, key: int) -> None:
-        self._seq += 1
-        entry = (-self._until(key), -self._seq)
-        self._live[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
+        seq = self._seq = self._seq + 1
+        neg_until = -self._expiry.get(key, math.inf)
+        self._live[key] = (neg_until, -seq)
+        heapq.heappush(self._heap, (neg_until, -seq, key))
         if len(self._heap) > 4 * len(self._live) + 64:
-            self._heap = [(*e, k) for k, e in self._live.items()]
-            heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (their pop order never mattered: they are skipped)."""
+        self._heap = [(*e, k) for k, e in self._live.items()]
+        heapq.heapify(self._heap)
+
+    def unpin_many(self, keys: Sequence[int]) -> None:
+        held = self._held
+        live = self._live
+        get = self._expiry.get
+        push = heapq.heappush
+        inf = math.inf
+        seq = self._seq
+        try:
+            for key in keys:
+                if key not in held:
+                    raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned")
+                held.remove(key)
+                seq += 1
+                neg_until = -get(key, inf)
+                live[key] = (neg_until, -seq)
+                push(self._heap, (neg_until, -seq, key))
+        finally:
+            self._seq = seq
+            if len(self._heap) > 4 * len(live) + 64:
+                self._compact()
+
+    def pin_many(self, keys: Sequence[int]) -> None:
+        pop = self._live.pop
+        add = self._held.add
+        for key in keys:
+            if pop(key, None) is None:
+                raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
+            add(key)
 
     def _pinned_keys(self) -> Iterable[int]:
         return self._held
@@ -262,6 +299,14 @@ class WorkflowPolicy(PolicyBase):
         self._use_guard = guard
         self._global: EvictionPolicy = self._new_fallback()
         self._fallback_hook = request_hook(self._global)
+        g = self._global
+        #: The global instance's size table when sizes are read from it directly
+        #: (the common case: a PolicyBase that does not redefine size_of).
+        self._size_table: dict[int, int] | None = (
+            g._sizes
+            if isinstance(g, PolicyBase) and type(g).size_of is PolicyBase.size_of
+            else None
+        )
         # The global instance records every size; share its table (evict_for reads it).
         self._sizes = getattr(self._global, "_sizes", self._sizes)
         self._classes: dict[int, EvictionPolicy] = {}
@@ -272,7 +317,9 @@ class WorkflowPolicy(PolicyBase):
         self._history = 1024
         #: (workflow, agent) -> resident keys it owns, in chain order (moves keep it).
         self._by_agent: dict[tuple[str, str], dict[int, None]] = {}
-        self._by_workflow: dict[str, set[str]] = {}
+        #: workflow -> its agents seen so far, in first-seen order (a dict, not a set: the
+        #: order re-ranking visits them must not depend on string hashing).
+        self._by_workflow: dict[str, dict[str, None]] = {}
         #: The spec whose agent prefixes were tagged, per workflow.
         self._tagged: dict[str, object] = {}
         #: TTL pins: key -> expiry, a heap of (expiry, key), the keys protected now.
@@ -322,61 +369,87 @@ class WorkflowPolicy(PolicyBase):
             else:
                 # Hint-ranked classes order their keys themselves: by when a pin
                 # ends, or by request recency with a chain's tail first.
-                c = _ByReturn(self._until) if rank >= WAITING and rank in _TIMED else _TailFirst()
+                c = _ByReturn(self._expiry) if rank >= WAITING and rank in _TIMED else _TailFirst()
                 if self.capacity:
                     c.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
             self._classes[rank] = c
         return c
 
-    def _until(self, key: int) -> float:
-        return self._expiry.get(key, math.inf)
-
     def _rank_of(self, key: int) -> int:
         return self._class_of.get(key, DEFAULT)
 
-    def _rank(self, key: int) -> int:
-        """The class ``key`` belongs in now."""
+    def _rank(self, key: int, memo: dict[tuple[str, str], int] | None = None) -> int:
+        """The class ``key`` belongs in now.
+
+        ``memo`` caches agents' distances over a run of calls during which the
+        tracker cannot change (re-ranking a workflow's blocks).
+        """
         if key in self._protected:
             return PINNED
         tag = self._tags.get(key)
         if tag is None:
             return WAITING if key in self._expiry else DEFAULT
-        if tag.reuse == "never":
+        reuse = tag.reuse
+        if reuse == "never":
             return NEVER
         if key in self._expiry:
             return WAITING
         d = FAR
-        distance = self.tracker.distance
-        for wid, aid in tag.owners:
-            x = distance(wid, aid)
-            if x < d:
-                d = x
-        if d >= FAR and tag.reuse == "likely":
+        owners = tag.owners
+        if owners:
+            distance = self.tracker.distance
+            if memo is None:
+                for wid, aid in owners:
+                    x = distance(wid, aid)
+                    if x < d:
+                        d = x
+            else:
+                for owner in owners:
+                    y = memo.get(owner)
+                    if y is None:
+                        y = memo[owner] = distance(owner[0], owner[1])
+                    if y < d:
+                        d = y
+        if d >= FAR and reuse == "likely":
             d = FAR - 1
-        return keep_rank(d, tag.shared)
+        # keep_rank, inline: this runs for every hinted block a request touches.
+        if d < 0:
+            d = 0
+        elif d > FAR:
+            d = FAR
+        return (SHARED if tag.shared else DYNAMIC) + (FAR - d)
 
     def _size(self, key: int) -> int:
+        table = self._size_table
+        if table is not None:
+            return table.get(key, 1) if table else 1
         g = self._global
         return g.size_of(key) if isinstance(g, PolicyBase) else 1
 
-    def _move(self, key: int) -> None:
-        """Put a resident key in the class it belongs in now."""
-        old = self._rank_of(key)
-        new = self._rank(key)
+    def _move(self, key: int, memo: dict[tuple[str, str], int] | None = None) -> None:
+        """Put a resident key in the class it belongs in now (``memo``: see :meth:`_rank`)."""
+        class_of = self._class_of
+        old = class_of.get(key, DEFAULT)
+        new = self._rank(key, memo)
         if new == old:
             return
-        size = self._size(key)
-        self._classes[old].remove(key)
-        self._cls(new).insert(key, key in self._pinned, size)
+        table = self._size_table
+        size = self._size(key) if table is None else table.get(key, 1) if table else 1
+        classes = self._classes
+        classes[old].remove(key)
+        c = classes.get(new)
+        if c is None:
+            c = self._cls(new)
+        c.insert(key, key in self._pinned, size)
         if new == DEFAULT:
-            del self._class_of[key]
+            del class_of[key]
         else:
-            self._class_of[key] = new
+            class_of[key] = new
 
     def _index(self, key: int, tag: _Tag) -> None:
         for owner in tag.owners:
             self._by_agent.setdefault(owner, {})[key] = None
-            self._by_workflow.setdefault(owner[0], set()).add(owner[1])
+            self._by_workflow.setdefault(owner[0], {})[owner[1]] = None
 
     def _unindex(self, key: int) -> None:
         tag = self._tags.get(key)
@@ -400,10 +473,13 @@ class WorkflowPolicy(PolicyBase):
                 if a.prefix_keys:
                     self._tag_keys(a.prefix_keys, (workflow_id, a.agent_id), None, shared=True)
         agents = self._by_workflow.get(workflow_id, ())
+        # Nothing below changes the tracker: each agent's distance is read once.
+        memo: dict[tuple[str, str], int] = {}
+        move = self._move
         for aid in list(agents):
             # Tail first: the class then evicts the chain's tail first, as it would have.
             for key in reversed(list(self._by_agent.get((workflow_id, aid), ()))):
-                self._move(key)
+                move(key, memo)
 
     # -- hints --------------------------------------------------------------------------
     def _tag_keys(
@@ -419,6 +495,7 @@ class WorkflowPolicy(PolicyBase):
         resident = self._global
         moved: list[int] = []
         for key in keys:
+            held = key in resident
             tag = tags.get(key)
             if tag is None:
                 tag = _Tag(session=session, shared=shared, reuse=reuse)
@@ -442,14 +519,17 @@ class WorkflowPolicy(PolicyBase):
                     tag.reuse = None if tag.reuse == "never" else tag.reuse
                 if len(tag.owners) < _MAX_OWNERS:
                     tag.owners.append(owner)
-                if key in resident:
+                if held:
                     self._by_agent.setdefault(owner, {})[key] = None
-                    self._by_workflow.setdefault(owner[0], set()).add(owner[1])
-            if key in resident:
+                    self._by_workflow.setdefault(owner[0], {})[owner[1]] = None
+            if held:
                 moved.append(key)
-        # Tail first, so a class evicts the chain's tail first.
+        # Tail first, so a class evicts the chain's tail first. Moving keys does
+        # not change the tracker: each agent's distance is read once.
+        memo: dict[tuple[str, str], int] = {}
+        move = self._move
         for key in reversed(moved):
-            self._move(key)
+            move(key, memo)
         excess = len(tags) - self._history
         tries = 4 * excess + 8
         while excess > 0 and tries > 0:
@@ -620,31 +700,44 @@ class WorkflowPolicy(PolicyBase):
 
     def pin_for(self, keys: Iterable[int], until: float) -> None:
         """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go."""
+        expiry = self._expiry
+        heap = self._heap
+        resident = self._global
+        classes = self._classes
+        class_of = self._class_of
         for key in keys:
-            if self._expiry.get(key, -1.0) >= until:
+            if expiry.get(key, -1.0) >= until:
                 continue
-            self._expiry[key] = until
-            heapq.heappush(self._heap, (until, key))
-            if key in self._global:
+            expiry[key] = until
+            heapq.heappush(heap, (until, key))
+            if key in resident:
                 self._protect(key, until)
-                c = self._classes.get(self._rank_of(key))
+                c = classes.get(class_of.get(key, DEFAULT))
                 if isinstance(c, _ByReturn):
                     c.access(key)  # its pin ends later now: re-sort it
 
     def _protect(self, key: int, until: float) -> None:
+        if self._pin_state(key, until):
+            self._move(key)
+
+    def _pin_state(self, key: int, until: float) -> bool:
+        """Protect a resident ``key`` until ``until`` if the cap allows (latest pins yield).
+
+        Every other key whose protection changes is moved to its class here;
+        ``key`` itself is not: returns whether its class may have changed.
+        """
         if until <= self._now:
-            return
+            return False
         protected = self._protected
         size = self._size(key)
         pheap = self._pheap
         if key in protected:
             protected[key] = (until, size)
             heapq.heappush(pheap, (-until, key))
-            return
-        cap = self.pin_cap
+            return False
+        cap = int(self.pin_fraction * self.capacity)  # pin_cap
         if size > cap:
-            self._move(key)
-            return
+            return True
         while self._protected_used + size > cap:
             # The pin that ends latest yields: a TTL is when the session is due back,
             # and MIN keeps what is needed soonest.
@@ -655,8 +748,7 @@ class WorkflowPolicy(PolicyBase):
                 continue
             if -neg < until:
                 # Every current pin ends sooner than this one: it waits past the cap.
-                self._move(key)
-                return
+                return True
             heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
@@ -665,7 +757,7 @@ class WorkflowPolicy(PolicyBase):
         if len(pheap) > 4 * len(protected) + 64:
             self._pheap = [(-u, k) for k, (u, _) in protected.items()]
             heapq.heapify(self._pheap)
-        self._move(key)
+        return True
 
     def _unprotect(self, key: int) -> None:
         entry = self._protected.pop(key, None)
@@ -717,7 +809,7 @@ class WorkflowPolicy(PolicyBase):
         tag = self._tags.get(key)
         if tag is None or not self._class_of or (self.guard is not None and self.guard.recency):
             return self._global.admit(key)
-        if self.used < self.capacity:
+        if self._global.used < self.capacity:
             return self._global.admit(key)
         rank = self._rank(key)
         lowest = self._lowest_evictable()
@@ -730,11 +822,24 @@ class WorkflowPolicy(PolicyBase):
         tag = self._tags.get(key)
         if tag is not None:
             self._index(key, tag)
+        self._place_indexed(key, pinned, size)
+
+    def _place_indexed(self, key: int, pinned: bool, size: int) -> None:
+        """:meth:`_place` for a key whose owners are indexed already."""
+        until = self._expiry.get(key)
+        if until is not None and pinned:
+            # A pinned key has no place in its class's order yet, so settling its
+            # protection first and inserting it once, where it ends up, decides
+            # exactly what inserting it and then moving it would.
+            self._pin_state(key, until)
+            until = None
         rank = self._rank(key)
-        self._cls(rank).insert(key, pinned, size)
+        c = self._classes.get(rank)
+        if c is None:
+            c = self._cls(rank)
+        c.insert(key, pinned, size)
         if rank != DEFAULT:
             self._class_of[key] = rank
-        until = self._expiry.get(key)
         if until is not None:
             self._protect(key, until)
 
@@ -750,40 +855,52 @@ class WorkflowPolicy(PolicyBase):
         self._global.insert_many(keys, pinned, sizes)
         if pinned:
             self._pinned.update(keys)
-        if not self._tags:
+        tags = self._tags
+        expiry = self._expiry
+        size_of = self._size
+        if not tags and expiry:
             for key in keys:
-                self._place(key, pinned, 1 if sizes is None else self._size(key))
+                self._place(key, pinned, 1 if sizes is None else size_of(key))
             return
-        # The fallback's class in chain order; the hint-ranked ones tail first.
+        # A key neither hinted nor pinned by a TTL is in the fallback's class (never
+        # protected: protection needs an expiry); it goes there at once, in chain
+        # order, one insert each as _place would. The hint-ranked ones go tail first.
         later: list[int] = []
+        default: EvictionPolicy | None = None
         for key in keys:
-            if key in self._tags or key in self._expiry:
+            if key in tags or key in expiry:
                 later.append(key)
             else:
-                self._place(key, pinned, 1 if sizes is None else self._size(key))
-        tags = self._tags
+                if default is None:
+                    default = self._cls(DEFAULT)
+                default.insert(key, pinned, 1 if sizes is None else size_of(key))
+        if not later:
+            return
         for key in later:  # each agent's keys indexed in chain order
             tag = tags.get(key)
             if tag is not None:
                 self._index(key, tag)
+        place = self._place_indexed
         for key in reversed(later):
-            self._place(key, pinned, 1 if sizes is None else self._size(key))
+            place(key, pinned, 1 if sizes is None else size_of(key))
 
     def access(self, key: int) -> None:
         self._global.access(key)
-        c = self._classes.get(self._rank_of(key))
+        c = self._classes.get(self._class_of.get(key, DEFAULT))
         if c is not None and key in c:
             c.access(key)
 
     def access_many(self, keys: Sequence[int]) -> None:
         self._global.access_many(keys)
-        if not self._class_of:
-            c = self._classes.get(DEFAULT)
+        classes = self._classes
+        class_of = self._class_of
+        if not class_of:
+            c = classes.get(DEFAULT)
             if c is not None:
                 c.access_many([k for k in keys if k in c])
             return
         for key in keys:
-            c = self._classes.get(self._rank_of(key))
+            c = classes.get(class_of.get(key, DEFAULT))
             if c is not None and key in c:
                 c.access(key)
 
@@ -799,23 +916,36 @@ class WorkflowPolicy(PolicyBase):
 
     def pin_many(self, keys: Sequence[int]) -> None:
         self._global.pin_many(keys)
-        self._by_class(keys, "pin_many")
+        for c, group in self._by_class(keys):
+            c.pin_many(group)
         self._pinned.update(keys)
 
     def unpin_many(self, keys: Sequence[int]) -> None:
         self._global.unpin_many(keys)
-        self._by_class(keys, "unpin_many")
+        for c, group in self._by_class(keys):
+            c.unpin_many(group)
         self._pinned.difference_update(keys)
 
-    def _by_class(self, keys: Sequence[int], method: str) -> None:
-        if not self._class_of:
-            getattr(self._classes[DEFAULT], method)(keys)
-            return
+    def _by_class(self, keys: Sequence[int]) -> list[tuple[EvictionPolicy, Sequence[int]]]:
+        """``keys`` grouped by class (order kept within each), classes in order of first key."""
+        classes = self._classes
+        class_of = self._class_of
+        if not class_of:
+            return [(classes[DEFAULT], keys)]
+        ranks = list(map(class_of.get, keys, repeat(DEFAULT, len(keys))))
+        if not ranks:
+            return []
+        first = ranks[0]
+        if ranks.count(first) == len(ranks):
+            return [(classes[first], keys)]  # one class: the usual case
         groups: dict[int, list[int]] = {}
-        for key in keys:
-            groups.setdefault(self._rank_of(key), []).append(key)
-        for rank, group in groups.items():
-            getattr(self._classes[rank], method)(group)
+        for key, rank in zip(keys, ranks, strict=True):
+            group = groups.get(rank)
+            if group is None:
+                groups[rank] = [key]
+            else:
+                group.append(key)
+        return [(classes[rank], group) for rank, group in groups.items()]
 
     def _forget(self, key: int) -> None:
         """``key`` left the level: drop its class membership and protection."""
@@ -829,7 +959,7 @@ class WorkflowPolicy(PolicyBase):
     def remove(self, key: int) -> None:
         if key not in self._global:
             return
-        rank = self._rank_of(key)
+        rank = self._class_of.get(key, DEFAULT)
         self._global.remove(key)
         self._classes[rank].remove(key)
         self._forget(key)

@@ -71,6 +71,8 @@ LOOSE = _TURNS * _NEWS
 _CLASSES = LOOSE + 1
 #: A class's value table is recomputed when a hazard moved by more than this share.
 _RETABLE = 0.02
+#: Per age bin, what orders equal values older bin first (see _rebuild).
+_NUDGE: tuple[float, ...] = tuple(b * 1e-300 for b in range(_B))
 
 
 def request_class(turn: int, new_blocks: int) -> int:
@@ -96,30 +98,38 @@ def hit_density(hazard: Sequence[float]) -> list[float]:
     cancels).
     """
     n = len(hazard)
+    mid = _MID
     surv = 1.0
-    f_sum = [0.0] * (n + 1)
-    g_sum = [0.0] * (n + 1)
+    # F and G to the end of each bin (F[b-1] and G[b-1] are the previous entries).
+    f_end = [0.0] * n
+    g_end = [0.0] * n
     after = [0.0] * n  # survival past each bin
+    f = g = 0.0
     for b in range(n):
         q = surv * hazard[b]
-        f_sum[b + 1] = f_sum[b] + q
-        g_sum[b + 1] = g_sum[b] + q * _MID[b]
+        f = f + q
+        g = g + q * mid[b]
+        f_end[b] = f
+        g_end[b] = g
         surv -= q
         after[b] = surv
+    ends = _ENDS
+    edges = _EDGES
     out = [0.0] * n
+    f0 = g0 = 0.0
     for b in range(n):
-        a = _EDGES[b]
-        f0 = f_sum[b]
-        g0 = g_sum[b]
+        a = edges[b]
         best = 0.0
         for e in range(b, n):
-            p = f_sum[e + 1] - f0
+            p = f_end[e] - f0
             if p <= 0.0:
                 continue
-            cost = g_sum[e + 1] - g0 - a * p + after[e] * (_ENDS[e] - a)
+            cost = g_end[e] - g0 - a * p + after[e] * (ends[e] - a)
             if cost > 0.0 and p > best * cost:
                 best = p / cost
         out[b] = best
+        f0 = f_end[b]
+        g0 = g_end[b]
     return out
 
 
@@ -299,20 +309,30 @@ class LearnedReusePolicy(PolicyBase):
         """Count the use of the matched prefix; every key now belongs to ``rec``."""
         hist = self._hist
         hits = self._hits
+        get = hist.get
         owner: _Rec | None = None
         count = 0
-        for i in range(len(keys)):
+        for i in range(m):
             key = keys[i]
-            old = hist.get(key)
+            old = get(key)
             hist[key] = rec
             if old is not owner:
                 if owner is not None and count:
                     _used(owner, count, hits)
                 owner = old
                 count = 0
-            if i < m:
-                count += 1
-            elif old is not None and old.alive > 0:
+            count += 1
+        # Past the matched prefix nothing counts as a use: the run of the prefix's
+        # last owner ends at the first key it does not own.
+        for i in range(m, len(keys)):
+            key = keys[i]
+            old = get(key)
+            hist[key] = rec
+            if count and old is not owner:
+                if owner is not None:
+                    _used(owner, count, hits)
+                count = 0
+            if old is not None and old.alive > 0:
                 old.alive -= 1  # seen again past a gap: no longer its to lose
         if owner is not None and count:
             _used(owner, count, hits)
@@ -370,7 +390,8 @@ class LearnedReusePolicy(PolicyBase):
                 if not res and not alive:
                     r.live = False
                     continue
-                nb = age_bin(now - r.time)
+                age = now - r.time
+                nb = bisect_right(_EDGES, age) - 1 if age >= 0.0 else 0  # age_bin, inline
                 if res:
                     base = r.cls * _B
                     del cells[base + b][r]
@@ -464,17 +485,23 @@ class LearnedReusePolicy(PolicyBase):
         risk = self._risk
         k = self._prior
         base = self._fit()
+        # Sums over the classes, each bin's in class order (as a loop per bin adds them).
+        h_tot = [0.0] * _B
+        r_tot = [0.0] * _B
+        for c in range(_CLASSES):
+            hc = hits[c]
+            rc = risk[c]
+            for b in range(_B):
+                h_tot[b] += hc[b]
+                r_tot[b] += rc[b]
         pooled = [0.0] * _B
         for b in range(_B):
-            h = 0.0
-            r = 0.0
-            for c in range(_CLASSES):
-                h += hits[c][b]
-                r += risk[c][b]
-            pooled[b] = h / r if r > 0.0 else 0.0
+            r = r_tot[b]
+            pooled[b] = h_tot[b] / r if r > 0.0 else 0.0
         values = self._value
         tf = self._turn_factor
         nf = self._new_factor
+        retable = _RETABLE
         for c in range(_CLASSES):
             f = tf[c // _NEWS] * nf[c % _NEWS] if c < LOOSE else 1.0
             prior = base if c < LOOSE else pooled
@@ -485,25 +512,32 @@ class LearnedReusePolicy(PolicyBase):
             # The table is the costly part: skip classes whose hazards barely moved.
             moved = False
             for b in range(_B):
-                x = min(1.0, (hc[b] + k * min(1.0, prior[b] * f)) / (rc[b] + k))
+                # min(1.0, v) as a comparison: the same value, no call.
+                v = prior[b] * f
+                x = (hc[b] + k * (v if v < 1.0 else 1.0)) / (rc[b] + k)
+                if not x < 1.0:
+                    x = 1.0
                 hazard[b] = x
-                y = old[b]
-                if abs(x - y) > _RETABLE * y:
-                    moved = True
+                if not moved:
+                    y = old[b]
+                    if abs(x - y) > retable * y:
+                        moved = True
             if moved:
                 self._hazard[c] = hazard
                 values[c] = hit_density(hazard)
         # Lowest value first; among equals the older bin first (least recently
         # used): the bin's nudge is far below any value that is not zero.
-        n_cells = _CLASSES * _B
-        keys = [0.0] * n_cells
-        for i in range(n_cells):
-            keys[i] = values[i // _B][i % _B] - (i % _B) * 1e-300
-        order = sorted(range(n_cells), key=keys.__getitem__)
+        keys: list[float] = []
+        nudge = _NUDGE
+        for c in range(_CLASSES):
+            row = values[c]
+            for b in range(_B):
+                keys.append(row[b] - nudge[b])
+        order = sorted(range(len(keys)), key=keys.__getitem__)
         self._order = order
         rank = self._rank
-        for pos in range(n_cells):
-            rank[order[pos]] = pos
+        for pos, cell in enumerate(order):
+            rank[cell] = pos
         self._low = 0
 
     # -- owners' transitions ------------------------------------------------------------
@@ -563,7 +597,8 @@ class LearnedReusePolicy(PolicyBase):
             self._n_evictable += 1
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        self._record_size(key, size)
+        if size != 1:
+            self._record_size(key, size)
         if pinned:
             self._pinned.add(key)
         r = self._record_for(key)
@@ -604,7 +639,11 @@ class LearnedReusePolicy(PolicyBase):
                 self._join(key, rec, pinned)
 
     def access(self, key: int) -> None:
-        self.access_many((key,))
+        # access_many for one key, without building a tuple on every hit.
+        r = self._res.get(key)
+        if r is None or r is self._ctx:
+            return
+        self._move(key, r, self._loose(r.cls))
 
     def access_many(self, keys: Sequence[int]) -> None:
         res = self._res
@@ -707,7 +746,11 @@ class LearnedReusePolicy(PolicyBase):
                 continue
             first = False
             while bag:
-                r = next((x for x in bag if x.evictable), None)
+                r: _Rec | None = None
+                for x in bag:
+                    if x.evictable:
+                        r = x
+                        break
                 if r is None:
                     break
                 self._take(r, n - len(out), out)
@@ -745,11 +788,14 @@ class LearnedReusePolicy(PolicyBase):
         res = self._res
         pinned = self._pinned
         hist = self._hist
+        forgotten = not r.hist  # its chain was forgotten while its keys were resident
+        left = r.evictable
         got = 0
-        while got < need and r.evictable:
+        while got < need and left:
             if not stack:
                 parked = r.parked
                 if not parked:
+                    r.evictable = left
                     raise InternalInvariantError("a record counts evictable keys it does not hold")
                 parked.reverse()
                 r.stack = stack = parked
@@ -763,11 +809,12 @@ class LearnedReusePolicy(PolicyBase):
                 r.parked.append(key)
                 continue
             del res[key]
-            if not r.hist and hist.get(key) is r:
-                del hist[key]  # its chain was forgotten while it was resident
+            if forgotten and hist.get(key) is r:
+                del hist[key]
             out.append(key)
             got += 1
-            r.evictable -= 1
+            left -= 1
+        r.evictable = left
         if got:
             r.res -= got
             self._n_evictable -= got

@@ -126,6 +126,11 @@ class LRUPolicy(PolicyBase):
                 self._forget_size(key)
         return victims
 
+    @property
+    def used(self) -> int:
+        # PolicyBase.used without the call to __len__ (workflow admission asks per key).
+        return len(self._order) + len(self._pinned) + self._size_extra
+
     def __len__(self) -> int:
         return len(self._order) + len(self._pinned)
 

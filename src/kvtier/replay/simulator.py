@@ -44,7 +44,7 @@ from typing import Literal
 from kvtier.agents.policy import workflow_policy_of
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.manager import Allocation, KVCacheManager
-from kvtier.policy.base import request_hook
+from kvtier.policy.base import PolicyBase, request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.replay.belady import belady_min
 from kvtier.replay.traces import Trace, TraceRequest
@@ -185,7 +185,9 @@ def simulate_min(trace: Trace, capacity: int, model: Model = "block") -> RunResu
     found = belady_min(keys, capacity, reads)
     seconds = time.perf_counter() - start
     result = RunResult(
-        "MIN", model, capacity,
+        "MIN",
+        model,
+        capacity,
         requests=len(trace.requests),
         block_accesses=found.num_reads,
         block_hits=found.num_hits,
@@ -210,33 +212,37 @@ def simulate_block(
     # only orders keys and picks victims.
     resident: set[int] = set()
     access, admit, insert, evict = policy.access, policy.admit, policy.insert, policy.evict
+    # PolicyBase.admit admits everything and records nothing: not calling it
+    # decides the same.
+    admits_all = getattr(type(policy), "admit", None) is PolicyBase.admit
     hook = request_hook(policy)
     clock = TraceClock(trace)
     bs = trace.block_size
     hits = accesses = prefix_hits = cached_tokens = evictions = 0
     since_tick = 0
 
-    def miss(key: int) -> int:
-        # Admission first, as libCacheSim does: a declined key evicts nothing.
-        if not admit(key):
+    def no_victim() -> InternalInvariantError:
+        return InternalInvariantError(
+            f"policy {policy_name!r} found no victim in a full cache of unpinned keys"
+        )
+
+    def not_resident(victim: int) -> InternalInvariantError:
+        return InternalInvariantError(
+            f"policy {policy_name!r} evicted key {victim!r}, which is not resident"
+        )
+
+    def make_room() -> int:
+        """Evict one key if the cache is full; returns how many were evicted."""
+        if len(resident) < capacity:
             return 0
-        dropped = 0
-        if len(resident) >= capacity:
-            victim = evict()
-            if victim is None:
-                raise InternalInvariantError(
-                    f"policy {policy_name!r} found no victim in a full cache of unpinned keys"
-                )
-            try:
-                resident.remove(victim)
-            except KeyError:
-                raise InternalInvariantError(
-                    f"policy {policy_name!r} evicted key {victim!r}, which is not resident"
-                ) from None
-            dropped = 1
-        insert(key, False)
-        resident.add(key)
-        return dropped
+        victim = evict()
+        if victim is None:
+            raise no_victim()
+        try:
+            resident.remove(victim)
+        except KeyError:
+            raise not_resident(victim) from None
+        return 1
 
     start = time.perf_counter()
     for rid, req in enumerate(trace.requests):
@@ -248,26 +254,39 @@ def simulate_block(
                     break
                 n_hit += 1
             hook(keys, n_hit, clock.advance(rid, req), req.hints)
-        lead = -1
+        lead = len(keys)
         for j, key in enumerate(keys):
             if key in resident:
                 hits += 1
                 access(key)
             else:
-                if lead < 0:
+                if lead > j:
                     lead = j
-                evictions += miss(key)
-        if lead < 0:
-            lead = len(keys)
-        accesses += len(keys)
-        prefix_hits += lead
-        cached_tokens += min(lead * bs, req.input_length)
+                # Admission first, as libCacheSim does: a declined key evicts nothing.
+                if admits_all or admit(key):
+                    if len(resident) >= capacity:
+                        # make_room(), inline: most misses of a full cache evict.
+                        victim = evict()
+                        if victim is None:
+                            raise no_victim()
+                        try:
+                            resident.remove(victim)
+                        except KeyError:
+                            raise not_resident(victim) from None
+                        evictions += 1
+                    insert(key, False)
+                    resident.add(key)
         for key in req.output_keys:
             # Generated blocks are written, not looked up: no hit or miss counted.
             if key in resident:
                 access(key)
-            else:
-                evictions += miss(key)
+            elif admits_all or admit(key):
+                evictions += make_room()
+                insert(key, False)
+                resident.add(key)
+        accesses += len(keys)
+        prefix_hits += lead
+        cached_tokens += min(lead * bs, req.input_length)
         if tick is not None:
             since_tick += 1
             if since_tick >= _TICK_EVERY:
@@ -302,7 +321,8 @@ def simulate_prefix(
     clock = TraceClock(trace)
     manager = KVCacheManager(capacity, bs, policy=policy_name, clock=clock)
     register_workflows(trace, manager.policy)
-    cached_block = manager.cached_block
+    # The pool's own lookup: one call per block instead of two through the manager.
+    cached_block = manager.pool.cached_block
     result = RunResult(manager.stats().policy, "prefix", capacity)
     live: deque[int] = deque()
     since_tick = 0
