@@ -23,7 +23,7 @@ COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py s
   src/kvtier/policy/learned.py src/kvtier/policy/guard.py
 
 .PHONY: serve run replay test test-latest lock test-compiled test-pure lint typecheck bench venv \
-  peers clean redis-server libibverbs dist
+  peers clean redis-server libibverbs prometheus dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -93,7 +93,7 @@ replay: venv
 
 ## The whole test suite (what CI runs): lint, types, tests on the compiled
 ## hot paths and again on the pure-Python fallback.
-test: redis-server libibverbs lint typecheck test-compiled test-pure
+test: redis-server libibverbs prometheus lint typecheck test-compiled test-pure
 
 ## The same suite on the newest releases pyproject.toml's ranges allow, in a venv of
 ## its own built from scratch: how a new upstream release is tried on purpose,
@@ -120,6 +120,13 @@ redis-server:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get install -y redis-server || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
+
+## prometheus from Debian's packages, for the dashboard's PromQL test (a real Prometheus).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y --no-install-recommends prometheus || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends prometheus; }; }
 
 ## libibverbs from Debian's packages: Mooncake's transfer engine links it even over TCP.
 libibverbs:

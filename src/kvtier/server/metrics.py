@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from prometheus_client.metrics_core import (
 
 from kvtier.engine.engine import Engine
 from kvtier.engine.worker import EngineWorker
+from kvtier.errors import KvTierError
 from kvtier.manager import CacheStats
 from kvtier.obs.metrics import Histogram
 from kvtier.pressure.controller import PressureStats
@@ -428,20 +430,50 @@ class _Families:
         return self._families
 
 
-def worker_reader(
-    worker: EngineWorker, timeout: float | None = 30.0
-) -> Callable[[], EngineSnapshot]:
-    """A blocking snapshot read of ``worker``'s engine, taken between steps on its thread.
+#: Seconds a scrape waits for a fresh snapshot before it is given the last one.
+FRESH_WAIT_S = 0.5
 
-    Once no thread owns the engine any more the engine is read directly;
-    a worker that does not answer within ``timeout`` raises
-    :class:`~kvtier.errors.KvTierError`.
+
+def worker_reader(
+    worker: EngineWorker, timeout: float | None = 30.0, fresh_wait: float = FRESH_WAIT_S
+) -> Callable[[], EngineSnapshot]:
+    """A snapshot read of ``worker``'s engine, taken between steps on its thread.
+
+    A step can outlast a scraper's timeout (a long prefill on a CPU), so a
+    read waits ``fresh_wait`` seconds for a fresh snapshot and otherwise
+    returns the last one taken, while the snapshot it asked for is still
+    taken after the step and kept for the next read; no more than one is
+    queued at a time. The first read, with nothing to fall back on, waits up
+    to ``timeout`` and raises :class:`~kvtier.errors.KvTierError` past it.
+    Once no thread owns the engine any more the engine is read directly.
     """
+    lock = threading.Lock()
+    last: list[EngineSnapshot] = []
+    queued = threading.Event()
+
+    def take(engine: Engine) -> EngineSnapshot:
+        try:
+            snap = snapshot_engine(engine)
+            with lock:
+                last[:] = [snap]
+            return snap
+        finally:
+            queued.clear()
 
     def read() -> EngineSnapshot:
         if not worker.alive:
             return snapshot_engine(worker.engine)
-        return worker.call(snapshot_engine, timeout)
+        with lock:
+            previous = last[0] if last else None
+        if previous is not None and queued.is_set():  # one is on its way already
+            return previous
+        queued.set()
+        try:
+            return worker.call(take, timeout if previous is None else fresh_wait)
+        except KvTierError:
+            if previous is None or not worker.alive:
+                raise
+            return previous
 
     return read
 
