@@ -25,13 +25,9 @@ parser = pytest.importorskip("prometheus_client.parser")
 httpx = pytest.importorskip("httpx")
 
 from serving import Server, serving  # noqa: E402
-from tiny_vlm import png_bytes, tiny_llava  # noqa: E402
+from tiny_vlm import dashboard_engine, png_bytes  # noqa: E402
 
-from kvtier.engine import Engine  # noqa: E402
 from kvtier.mm.images import image_data_url  # noqa: E402
-from kvtier.offload.chain import Tier  # noqa: E402
-from kvtier.offload.host import HostStore  # noqa: E402
-from kvtier.pressure import PressureSpec  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvtier.json"
 MODEL = "tiny-vlm"
@@ -154,16 +150,7 @@ def test_the_query_parser_finds_metrics_not_labels_or_functions() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    model, tok = tiny_llava()
-    engine = Engine(
-        model,
-        tok,
-        model_id=MODEL,
-        num_blocks=256,
-        block_size=4,
-        tiers=[Tier(HostStore(), 64)],
-        pressure=PressureSpec(monitor="pool"),
-    )
+    engine = dashboard_engine(MODEL)
     with serving(engine, MODEL) as srv:
         yield srv
     engine.close()

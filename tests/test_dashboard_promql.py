@@ -38,13 +38,9 @@ if PROMETHEUS is None:
     missing("the prometheus binary", "apt-get install prometheus (Debian), or put it on PATH")
 
 from serving import Server, serving  # noqa: E402
-from tiny_vlm import png_bytes, tiny_llava  # noqa: E402
+from tiny_vlm import dashboard_engine, png_bytes  # noqa: E402
 
-from kvtier.engine import Engine  # noqa: E402
 from kvtier.mm.images import image_data_url  # noqa: E402
-from kvtier.offload.host import HostStore  # noqa: E402
-from kvtier.offload.tier import Tier  # noqa: E402
-from kvtier.pressure import PressureSpec  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kvtier.json"
 MODEL = "tiny-vlm"
@@ -114,16 +110,7 @@ def dashboard() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    model, tok = tiny_llava()
-    engine = Engine(
-        model,
-        tok,
-        model_id=MODEL,
-        num_blocks=256,
-        block_size=4,
-        tiers=[Tier(HostStore(), 64)],
-        pressure=PressureSpec(monitor="pool"),
-    )
+    engine = dashboard_engine(MODEL)
     with serving(engine, MODEL) as srv:
         yield srv
     engine.close()

@@ -92,3 +92,23 @@ def png_bytes(seed: int, size: tuple[int, int] = (40, 40)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def dashboard_engine(model_id: str) -> Any:
+    """A tiny LLaVA with a host tier and the pool's pressure monitor: every family the
+    Grafana dashboard plots (prefix cache, tiers, pressure, encoder cache) has series."""
+    from kvtier.engine import Engine
+    from kvtier.offload.host import HostStore
+    from kvtier.offload.tier import Tier
+    from kvtier.pressure import PressureSpec
+
+    model, tok = tiny_llava()
+    return Engine(
+        model,
+        tok,
+        model_id=model_id,
+        num_blocks=256,
+        block_size=4,
+        tiers=[Tier(HostStore(), 64)],
+        pressure=PressureSpec(monitor="pool"),
+    )
