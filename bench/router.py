@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -217,6 +218,11 @@ class Replay:
     wall_s: float = 0.0
 
 
+def session_id(conversation: int) -> str:
+    """A conversation's id for the router: hex digits that share no prefix by design."""
+    return hashlib.sha256(f"conversation {conversation}".encode()).hexdigest()[:16]
+
+
 async def replay(cluster: Cluster, turns: Sequence[Turn], args: argparse.Namespace) -> Replay:
     import openai
 
@@ -245,6 +251,15 @@ async def replay(cluster: Cluster, turns: Sequence[Turn], args: argparse.Namespa
                     temperature=0,
                     stream=True,
                     stream_options={"include_usage": True},
+                    # vllm-router 0.1.17 routes a chat request under cache_aware on this
+                    # id alone (its routing text is empty without it), matching ids as text
+                    # prefixes: ids must not share one ("conversation-1" and
+                    # "conversation-2" match each other past the 0.3 threshold).
+                    extra_body=(
+                        {"session_params": {"session_id": session_id(turn.conversation)}}
+                        if args.session_ids
+                        else None
+                    ),
                 )
                 async for chunk in stream:
                     if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -358,6 +373,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         help="an extra flag for every kvtier serve, e.g. --serve-arg=--kv-cache-memory=64MiB",
+    )
+    p.add_argument(
+        "--no-session-ids",
+        dest="session_ids",
+        action="store_false",
+        help="send no session_params.session_id (vllm-router's cache_aware then sees every "
+        "chat request as the same empty text)",
     )
     p.add_argument("--json-out", type=Path, default=DEFAULT_JSON)
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
