@@ -3,7 +3,8 @@
 Four parts, each recorded even when another one fails:
 
 a. **tests**: the test files that hold CUDA tests (``tests/test_storage_device.py``,
-   ``tests/test_pressure_monitors.py``, ``tests/test_placement.py``) run under
+   ``tests/test_pressure_monitors.py``, ``tests/test_placement.py``,
+   ``tests/test_tier_checksum_flips.py``) run under
    pytest in a child process; passed / failed / skipped counts per file and
    every skip reason come from its JUnit XML.
 b. **correctness**: a tiny random-weight Llama (built from a transformers
@@ -18,13 +19,17 @@ c. **throughput**: blocks of SmolLM2-135M's geometry (30 layers, 3 KV heads,
    head dim 64, 16 tokens per block) in float16 and float32, in a
    ``KVBlockStorage`` on the device, stored to a host tier and loaded back
    through a ``TierChain`` (store: copy out, checksum; load: verify the
-   checksum, copy in; every load checked bit-exact). The ceiling moves the
+   checksum, copy in; every load checked bit-exact; the tier's free slots
+   come back in reverse after each run, so the runs alternate between slots
+   in order, where runs of blocks move with one copy, and slots in reverse,
+   one copy per block). The ceiling moves the
    same bytes in the same run without kvtier: one ``copy_`` between the
    device tensor and a preallocated pinned host buffer, ``non_blocking``,
    then a synchronize. Per-block copies, per-block copies each followed by a
    synchronize, per-block copies with each block's xxh3 taken after its
-   copy's event, and xxh3 alone over the host bytes are reported beside it,
-   to say where kvtier's time goes. Figures are medians over ``--repeat`` repeats
+   copy's event, and xxh3 alone over the host bytes (on one thread, and on
+   kvtier's checksum pool) are reported beside it, to say where kvtier's
+   time goes. Figures are medians over ``--repeat`` repeats
    after one warm-up; within a repeat the systems take turns, in an order
    rotated per repeat.
 d. **pressure**: ``torch.cuda.mem_get_info`` and NVML (when ``pynvml``
@@ -70,15 +75,18 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.manager import KVCacheManager
 from kvtier.offload.chain import TierChain
+from kvtier.offload.codec import checksum_workers
 from kvtier.offload.device_tier import DeviceStore
 from kvtier.offload.host import HostStore
 from kvtier.offload.tier import Tier
+from kvtier.offload.transfer import checksums, chunks
 from kvtier.storage import KVBlockStorage
 
 TEST_FILES = (
     "tests/test_storage_device.py",
     "tests/test_pressure_monitors.py",
     "tests/test_placement.py",
+    "tests/test_tier_checksum_flips.py",
 )
 #: SmolLM2-135M's KV geometry (the default model's).
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -136,6 +144,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "tokenizers": package_version("tokenizers"),
         "huggingface_hub": package_version("huggingface_hub"),
         "xxhash": package_version("xxhash"),
+        "checksum_workers": checksum_workers(),
         "nvidia_ml_py": package_version("nvidia-ml-py"),
         "machine": machine_info(),
         "git": git_state(REPO),
@@ -572,6 +581,17 @@ class Rig:
         t = time.perf_counter() - t0
         return {"store": t, "load": t}
 
+    def checksum_pool(self) -> dict[str, float]:
+        """xxh3 of the host bytes in kvtier's chunks, on its checksum pool."""
+        width = self.bpb
+        parts = [(self.buf[i], [i], [width]) for i in range(self.n)]
+        t0 = time.perf_counter()
+        pending = [checksums(parts[s : s + c], parallel=True) for s, c in chunks([width] * self.n)]
+        for p in pending:
+            p.result()
+        t = time.perf_counter() - t0
+        return {"store": t, "load": t}
+
     def close(self) -> None:
         self.chain.close()
 
@@ -583,6 +603,7 @@ SYSTEMS = (
     "per-block copies + sync",
     "per-block copies overlapped with xxh3",
     "xxh3 of host bytes",
+    "xxh3 of host bytes, checksum pool",
 )
 
 
@@ -601,6 +622,7 @@ def throughput(device: torch.device, mib: int, repeat: int) -> dict[str, Any]:
             "per-block copies + sync": rig.per_block_synced,
             "per-block copies overlapped with xxh3": rig.overlapped,
             "xxh3 of host bytes": rig.checksum,
+            "xxh3 of host bytes, checksum pool": rig.checksum_pool,
         }
         times: dict[str, dict[str, list[float]]] = {s: {"store": [], "load": []} for s in runs}
         order = list(runs)

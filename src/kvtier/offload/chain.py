@@ -22,8 +22,9 @@
   every block as soon as it is computed (:meth:`store_computed`). By default
   shared media (Redis) write through, so other engines can hit a prefix at
   once, and local ones (host, disk) write back; ``write_mode`` sets every
-  tier alike. Copies to host memory are synchronous (one
-  memcpy); writes to disk and Redis run on the transfer engine from a
+  tier alike. Copies to host memory finish before the call returns (one
+  batch of asynchronous copies and one wait on CUDA, the checksums hashed
+  on a pool meanwhile); writes to disk and Redis run on the transfer engine from a
   snapshot, overlapping with the forward pass, and become loadable when they
   complete (:meth:`poll`).
 * **Swap**: :meth:`swap_out` stores a paused request's blocks, its partial

@@ -20,7 +20,10 @@ written for another model layout fails :func:`verify` with a
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -62,6 +65,49 @@ def payload_checksum(key: int, payload: memoryview | bytes | bytearray) -> int:
     speed, so the checksum costs a fraction of the copy it guards.
     """
     return int(xxhash.xxh3_64_intdigest(payload, key & _MASK64))
+
+
+#: Below this many bytes a batch's checksums are taken on the calling thread:
+#: handing work to the pool costs more than it saves.
+PARALLEL_MIN_BYTES = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def checksum_workers() -> int:
+    """Threads :func:`checksum_pool` runs: one per usable core, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+def checksum_pool() -> ThreadPoolExecutor | None:
+    """The shared threads that checksum large batches, or ``None`` on a single core.
+
+    xxhash releases the GIL while it digests a large buffer, so a batch's
+    blocks hash on several cores at once, and beside the copies in flight.
+    """
+    global _pool
+    if _pool is None:
+        workers = checksum_workers()
+        if workers < 2:
+            return None
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-checksum")
+    return _pool
+
+
+def _forget_pool() -> None:
+    # A forked child has none of the parent's threads: it starts a pool of its own.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def as_buffer(payload: torch.Tensor) -> memoryview:
@@ -276,6 +322,8 @@ class Fp8Codec(ScaledCodec):
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec, Int8Codec, Fp8Codec)}
 _BY_ID: dict[int, type[Codec]] = {c.codec_id: c for c in CODECS.values()}
+# The codecs keep no state: verification hands out one instance of each.
+_INSTANCES: dict[int, Codec] = {i: c() for i, c in _BY_ID.items()}
 
 
 def make_codec(name: str | Codec) -> Codec:
@@ -305,6 +353,18 @@ def pack_header(
     payload: memoryview | bytes | bytearray,
 ) -> bytes:
     """:func:`make_header` for a payload already at hand as a buffer (no tensor round trip)."""
+    return header_for(codec, key, block_shape, dtype, len(payload), payload_checksum(key, payload))
+
+
+def header_for(
+    codec: Codec,
+    key: int,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    payload_len: int,
+    checksum: int,
+) -> bytes:
+    """The packed header of a payload whose length and :func:`payload_checksum` are known."""
     ndim = len(block_shape)
     if not 0 < ndim <= 6:
         raise ConfigError(f"a stored block has 1 to 6 dimensions, got shape {list(block_shape)}")
@@ -318,8 +378,8 @@ def pack_header(
         *_ZEROS[ndim:],
         key & _MASK64,
         (key >> 64) & _MASK64,
-        len(payload),
-        payload_checksum(key, payload),
+        payload_len,
+        checksum,
     )
     return head + _CHECK.pack(xxhash.xxh32_intdigest(head))
 
@@ -349,6 +409,25 @@ def verify(
     Raises :class:`CorruptBlockError` on any mismatch: the block must then
     be dropped and recomputed, never served.
     """
+    codec, checksum = check_header(header, key, block_shape, dtype, int(payload.numel()))
+    if payload_checksum(key, as_buffer(payload)) != checksum:
+        raise CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
+    return codec
+
+
+def check_header(
+    header: bytes | memoryview,
+    key: int,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    payload_len: int,
+) -> tuple[Codec, int]:
+    """:func:`verify` without the payload's checksum: returns the codec and the checksum
+    the payload must have.
+
+    For readers that hash many payloads at once (:func:`payload_checksum` on a
+    pool); a payload is verified only once its checksum matched as well.
+    """
     h = BlockHeader.unpack(header)
     if h.key != key:
         raise CorruptBlockError(f"stored block names key {h.key:#x}, expected {key:#x}")
@@ -356,14 +435,11 @@ def verify(
         raise CorruptBlockError(
             f"stored block is {h.dtype} {list(h.shape)}, expected {dtype} {list(block_shape)}"
         )
-    codec_cls = _BY_ID.get(h.codec_id)
-    if codec_cls is None:
+    codec = _INSTANCES.get(h.codec_id)
+    if codec is None:
         raise CorruptBlockError(f"stored block names unknown codec id {h.codec_id}")
-    codec = codec_cls()
-    if int(payload.numel()) != h.payload_len or h.payload_len != codec.payload_size(h.shape, dtype):
+    if payload_len != h.payload_len or h.payload_len != codec.payload_size(h.shape, dtype):
         raise CorruptBlockError(
-            f"stored block payload is {int(payload.numel())} bytes, header says {h.payload_len}"
+            f"stored block payload is {payload_len} bytes, header says {h.payload_len}"
         )
-    if payload_checksum(key, as_buffer(payload)) != h.checksum:
-        raise CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
-    return codec
+    return codec, h.checksum

@@ -7,6 +7,13 @@ Storing copies the payload into host memory (from the device, or from
 wherever the codec produced it) and checksums the copy that now sits there;
 loading checks that checksum before the payload is handed back, so a slot
 overwritten by mistake is caught as well.
+
+A batch is stored with as few copies as its layout allows (blocks that lie
+back to back on the device and land in consecutive slots move together),
+all issued at once on the current CUDA stream; each chunk's checksums are
+taken once its event fires, on the checksum pool for large batches, so
+hashing one chunk overlaps the copies of the next. Payloads already in host
+memory are copied and hashed one at a time, as nothing would overlap.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.offload.codec import PAYLOAD_LENGTH_OFFSET as _LENGTH_AT
-from kvtier.offload.codec import as_buffer, pack_header
+from kvtier.offload.codec import as_buffer, header_for, pack_header
 from kvtier.offload.media import MediumCaps, PutItem, Stored
+from kvtier.offload.transfer import Part, checksums, chunks, parallel_worth, runs, span
 
 
 class HostStore:
@@ -71,30 +79,84 @@ class HostStore:
     def put(self, items: Sequence[PutItem]) -> None:
         if not self._bound:
             raise InternalInvariantError("HostStore used before bind()")
-        store = self._items
+        if self._items is not None:
+            self._put_items(items)
+        else:
+            self._put_rows(items)
+
+    def _put_rows(self, items: Sequence[PutItem]) -> None:
         rows = self._rows
+        width = rows.shape[1]
         headers = self._headers
-        for key, slot, payload, fmt in items:
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        for _key, slot, payload, _fmt in items:
             flat = payload.view(-1)
-            if store is not None:
-                dest = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
-            else:
-                if flat.numel() > rows.shape[1]:
-                    raise ConfigError(
-                        f"an item of {flat.numel():,} bytes does not fit this host tier's "
-                        f"{rows.shape[1]:,}-byte slots"
-                    )
-                dest = rows[slot, : flat.numel()]
-            dest.copy_(flat, non_blocking=payload.device.type != "cpu")
-            if payload.device.type != "cpu":
-                torch.cuda.current_stream(payload.device).synchronize()
-            # Checksummed where it now sits (still in cache from the copy), so a
-            # copy gone wrong is caught on load.
-            header = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, as_buffer(dest))
-            if store is not None:
-                store[key] = (header, dest)
-            else:
-                headers[slot] = header
+            if flat.numel() > width:
+                raise ConfigError(
+                    f"an item of {flat.numel():,} bytes does not fit this host tier's "
+                    f"{width:,}-byte slots"
+                )
+            # A slot being rewritten holds nothing until its new header is in.
+            headers[slot] = None
+            srcs.append(flat)
+            dsts.append(rows[slot, : flat.numel()])
+        keys = [k for k, _, _, _ in items]
+        lengths = [int(t.numel()) for t in srcs]
+        # From host memory the copies are synchronous and nothing overlaps them:
+        # each item is hashed right after its copy, while its bytes are still in
+        # this core's cache (handing them to the pool measured slower).
+        from_host = all(t.device.type == "cpu" for t in srcs)
+        parallel = not from_host and parallel_worth(sum(lengths))
+        pending = []
+        for first, count in chunks(lengths, 1 if from_host else None):
+            parts: list[Part] = []
+            devices: set[torch.device] = set()
+            for start, n in runs(srcs[first : first + count], dsts[first : first + count]):
+                at = first + start
+                src = span(srcs, at, n)
+                dst = span(dsts, at, n)
+                on_device = src.device.type != "cpu"
+                dst.copy_(src, non_blocking=on_device)
+                if on_device:
+                    devices.add(src.device)
+                parts.append((dst, keys[at : at + n], lengths[at : at + n]))
+            ready = []
+            for device in devices:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(device))
+                ready.append(event)
+            # Checksummed where it now sits, so a copy gone wrong is caught on load;
+            # the pool hashes this chunk while the next one's copies run.
+            pending.append((first, count, checksums(parts, parallel=parallel, ready=ready)))
+        for first, count, sums in pending:
+            got = sums.result()
+            if len(got) != count:
+                raise InternalInvariantError(f"{len(got)} checksums for {count} host items")
+            for i, checksum in enumerate(got, first):
+                _, slot, _, fmt = items[i]
+                headers[slot] = header_for(
+                    fmt.codec, keys[i], fmt.shape, fmt.dtype, lengths[i], checksum
+                )
+
+    def _put_items(self, items: Sequence[PutItem]) -> None:
+        store = self._items
+        assert store is not None
+        copied: list[tuple[int, torch.Tensor, PutItem]] = []
+        devices = set()
+        for item in items:
+            key, _slot, payload, _fmt = item
+            flat = payload.view(-1)
+            dest = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            on_device = payload.device.type != "cpu"
+            dest.copy_(flat, non_blocking=on_device)
+            if on_device:
+                devices.add(payload.device)
+            copied.append((key, dest, item))
+        for device in devices:  # one wait per batch, not per item
+            torch.cuda.current_stream(device).synchronize()
+        for key, dest, (_, _, _, fmt) in copied:
+            store[key] = (pack_header(fmt.codec, key, fmt.shape, fmt.dtype, as_buffer(dest)), dest)
 
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
         store = self._items

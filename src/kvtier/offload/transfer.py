@@ -9,6 +9,12 @@ and synchronizes that stream before the job counts as done.
 Completion is observable without blocking: :meth:`TransferEngine.get_finished`
 returns the jobs that ended since the last call, successful or not; nothing
 raised by a job escapes into the caller, it comes back as the job's error.
+
+The batch helpers below serve the memory copies that run inline (host
+tier stores, loads into device blocks): :func:`runs` finds the items of a
+batch that lie back to back in memory, so a run of blocks moves with one
+copy, and :func:`checksums` hashes a run's payloads, on the checksum pool
+when the batch is large, while the other runs' copies are in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.offload import codec as _codec
+from kvtier.offload.codec import as_buffer, checksum_pool, payload_checksum
+
+#: The most bytes one batched copy or checksum task covers: small enough that
+#: a batch's copies and checksums overlap, large enough that per-call costs vanish.
+CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +162,127 @@ class TransferEngine:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 1-D uint8 ``b`` starts where ``a`` ends, in the same storage."""
+    return (
+        b.storage_offset() == a.storage_offset() + a.numel()
+        and b.device == a.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+def _flat(t: torch.Tensor) -> bool:
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.stride(0) == 1
+
+
+def runs(
+    first: Sequence[torch.Tensor],
+    second: Sequence[torch.Tensor] | None = None,
+    *,
+    limit: int = 1 << 62,
+) -> list[tuple[int, int]]:
+    """Split a batch into ``(start, count)`` runs that one copy can move.
+
+    In a run, each 1-D uint8 tensor of ``first`` (and the one beside it in
+    ``second``) starts where the one before ends, in the same storage; a
+    run stops before it would pass ``limit`` bytes of ``first``.
+    """
+    out: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, t in enumerate(first):
+        n = int(t.numel())
+        if (
+            i > start
+            and size + n <= limit
+            and _flat(t)
+            and _follows(first[i - 1], t)
+            and (second is None or (_flat(second[i]) and _follows(second[i - 1], second[i])))
+        ):
+            size += n
+            continue
+        if i > start:
+            out.append((start, i - start))
+        start, size = i, n
+    if len(first) > start:
+        out.append((start, len(first) - start))
+    return out
+
+
+def span(tensors: Sequence[torch.Tensor], start: int, count: int) -> torch.Tensor:
+    """One 1-D uint8 view over the run ``tensors[start : start + count]`` (see :func:`runs`)."""
+    head = tensors[start]
+    if count == 1:
+        return head
+    total = sum(int(t.numel()) for t in tensors[start : start + count])
+    view = torch.empty(0, dtype=torch.uint8, device=head.device)
+    view.set_(head.untyped_storage(), head.storage_offset(), (total,), (1,))
+    return view
+
+
+def chunks(sizes: Sequence[int], limit: int | None = None) -> list[tuple[int, int]]:
+    """Split a batch of items of ``sizes`` bytes into ``(start, count)`` groups of consecutive
+    items, each of at most ``limit`` bytes (default :data:`CHUNK_BYTES`; one item when that
+    alone is larger)."""
+    if limit is None:
+        limit = CHUNK_BYTES
+    out: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and size + n > limit:
+            out.append((start, i - start))
+            start, size = i, 0
+        size += n
+    if len(sizes) > start:
+        out.append((start, len(sizes) - start))
+    return out
+
+
+#: What one checksum task hashes: runs of payloads, each ``(bytes of the run, keys, lengths)``.
+Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]
+
+
+class Done:
+    """A result already at hand, with a future's ``result``."""
+
+    def __init__(self, value: list[int]) -> None:
+        self.value = value
+
+    def result(self) -> list[int]:
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
+
+
+def _digest(parts: Sequence[Part], ready: Sequence[Any]) -> list[int]:
+    for event in ready:
+        event.synchronize()  # the copies that fill the parts (the GIL is released meanwhile)
+    out: list[int] = []
+    for data, keys, lengths in parts:
+        buf = as_buffer(data)
+        at = 0
+        for key, n in zip(keys, lengths, strict=True):
+            out.append(payload_checksum(key, buf[at : at + n]))
+            at += n
+    return out
+
+
+def checksums(
+    parts: Sequence[Part], *, parallel: bool, ready: Sequence[Any] = ()
+) -> Future[list[int]] | Done:
+    """The payload checksums of ``parts`` (CPU bytes), in order.
+
+    With ``parallel`` they are taken on the checksum pool and this returns at
+    once; ``ready`` (CUDA events) are waited for before the bytes are read.
+    """
+    pool = checksum_pool() if parallel else None
+    if pool is None:
+        return Done(_digest(parts, ready))
+    return pool.submit(_digest, parts, ready)
+
+
+def parallel_worth(nbytes: int) -> bool:
+    """Whether a batch of ``nbytes`` is worth hashing on the checksum pool."""
+    return nbytes >= _codec.PARALLEL_MIN_BYTES

@@ -1,0 +1,198 @@
+"""Batched host/disk tier copies with pooled checksums: every flipped bit is still a miss.
+
+A tier chain stores real blocks, one bit of one stored item (header or
+payload, in host memory or in its disk file) is flipped, and the load must
+stop at that block: the blocks before it come back bit-exact, the damaged
+one is counted corrupt and dropped, and nothing of it (or of the blocks
+after it) reaches the device. Each case runs with the checksums on the
+calling thread and on the checksum pool (small chunks, so a batch spans
+several pool tasks and copies), and with the tier's slots in ascending and
+in descending order (one copy per run of blocks, or one per block). With a
+GPU the host cases run on CUDA storage and pinned host rows too, where the
+copies are asynchronous and each batch waits for them once.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from needs import hardware_mark
+
+from kvtier import KVCacheManager
+from kvtier.layout import KVLayout
+from kvtier.offload import codec, transfer
+from kvtier.offload.chain import TierChain
+from kvtier.offload.codec import HEADER_SIZE
+from kvtier.offload.disk import DiskStore
+from kvtier.offload.host import HostStore
+from kvtier.offload.tier import Tier
+from kvtier.storage import KVBlockStorage
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+N = 6
+BLOCK_BYTES = KVBlockStorage(LAYOUT, 1).bytes_per_block
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=hardware_mark(torch.cuda.is_available(), "no CUDA device")),
+]
+
+
+@contextmanager
+def pooled(on: bool) -> Iterator[None]:
+    """Checksums on the pool for any batch, in chunks of about two blocks (or never)."""
+    saved = codec.PARALLEL_MIN_BYTES, transfer.CHUNK_BYTES
+    codec.PARALLEL_MIN_BYTES = 0 if on else 1 << 62
+    transfer.CHUNK_BYTES = 2 * BLOCK_BYTES if on else saved[1]
+    try:
+        yield
+    finally:
+        codec.PARALLEL_MIN_BYTES, transfer.CHUNK_BYTES = saved
+
+
+def stored_chain(
+    medium: HostStore | DiskStore, descending: bool, seed: int, device: str = "cpu"
+) -> tuple[KVBlockStorage, TierChain, Tier, list[int]]:
+    storage = KVBlockStorage(LAYOUT, 2 * N, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    storage.tensor[:N].copy_(torch.randn(storage.tensor[:N].shape, generator=gen))
+    storage.tensor[N:].zero_()
+    mgr = KVCacheManager(2 * N, LAYOUT.block_size)
+    tier = Tier(medium, N, codec="raw")
+    chain = TierChain(storage, mgr, [tier], write_mode="write_through")
+    rng = random.Random(seed)
+    if descending:
+        # A store and a removal first: the free slots then come back in reverse.
+        warm = [rng.getrandbits(128) for _ in range(N)]
+        chain.store_blocks(0, warm, list(range(N)))
+        chain.flush()
+        tier.offload_manager.remove(warm)
+    keys = [rng.getrandbits(128) for _ in range(N)]
+    chain.store_blocks(0, keys, list(range(N)))
+    chain.flush()
+    assert tier.offload_manager.lookup(keys) == N
+    return storage, chain, tier, keys
+
+
+def flip_host(host: HostStore, slot: int, bit: int) -> None:
+    header = host._headers[slot]
+    assert header is not None
+    if bit < 8 * len(header):
+        raw = bytearray(header)
+        raw[bit // 8] ^= 1 << (bit % 8)
+        host._headers[slot] = bytes(raw)
+    else:
+        at = bit - 8 * len(header)
+        host.row(slot)[at // 8] ^= 1 << (at % 8)
+
+
+def flip_file(path: Path, bit: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(raw))
+
+
+def check_load(
+    storage: KVBlockStorage, chain: TierChain, tier: Tier, keys: list[int], victim: int
+) -> None:
+    loaded = chain.load(keys, list(range(N, 2 * N)))
+    assert loaded == victim
+    src, dst = storage.tensor[:N], storage.tensor[N:]
+    assert torch.equal(dst[:victim], src[:victim])
+    # Nothing of the damaged block, nor of any after it, reached the device.
+    assert not dst[victim:].view(torch.uint8).any()
+    assert tier.counters.corrupt_blocks == 1
+    assert tier.offload_manager.lookup(keys[victim : victim + 1]) == 0
+    assert tier.offload_manager.lookup(keys[:victim]) == victim
+    chain.check()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    victim=st.integers(0, N - 1),
+    bit=st.integers(0, 8 * (HEADER_SIZE + BLOCK_BYTES) - 1),
+    descending=st.booleans(),
+    pool=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_flipped_bit_in_a_host_item_is_a_miss(
+    device: str, victim: int, bit: int, descending: bool, pool: bool, seed: int
+) -> None:
+    with pooled(pool):
+        host = HostStore(pin_memory=device == "cuda")
+        storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+        slot = tier.offload_manager.prepare_load([keys[victim]])[0]
+        tier.offload_manager.complete_load([keys[victim]])
+        flip_host(host, slot, bit)
+        check_load(storage, chain, tier, keys, victim)
+        chain.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    victim=st.integers(0, N - 1),
+    bit=st.integers(0, 8 * (HEADER_SIZE + BLOCK_BYTES) - 1),
+    pool=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_flipped_bit_in_a_disk_file_is_a_miss(
+    victim: int, bit: int, pool: bool, seed: int
+) -> None:
+    with pooled(pool), tempfile.TemporaryDirectory() as tmp:
+        disk = DiskStore(tmp)
+        storage, chain, tier, keys = stored_chain(disk, False, seed)
+        flip_file(disk.path(keys[victim]), bit)
+        check_load(storage, chain, tier, keys, victim)
+        chain.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(descending=st.booleans(), pool=st.booleans(), seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("device", DEVICES)
+def test_undamaged_batches_load_bit_exact(
+    device: str, descending: bool, pool: bool, seed: int
+) -> None:
+    with pooled(pool):
+        host = HostStore(pin_memory=device == "cuda")
+        storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+        assert chain.load(keys, list(range(N, 2 * N))) == N
+        assert torch.equal(storage.tensor[N:], storage.tensor[:N])
+        assert tier.counters.corrupt_blocks == 0
+        chain.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 64), max_size=30),
+    order=st.randoms(use_true_random=False),
+    limit=st.integers(1, 200),
+)
+def test_runs_and_chunks_cover_the_batch_and_spans_hold_the_bytes(
+    sizes: list[int], order: random.Random, limit: int
+) -> None:
+    # Pieces of one buffer, some in place, some swapped: runs join only neighbours.
+    base = torch.arange(sum(sizes), dtype=torch.int64).to(torch.uint8)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = [base[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+    if len(pieces) > 1 and order.random() < 0.5:
+        i, j = sorted(order.sample(range(len(pieces)), 2))
+        pieces[i], pieces[j] = pieces[j], pieces[i]
+    for start, count in transfer.chunks([int(p.numel()) for p in pieces], limit):
+        group = pieces[start : start + count]
+        assert count == 1 or sum(int(p.numel()) for p in group) <= limit
+        covered = 0
+        for s, c in transfer.runs(group):
+            assert s == covered
+            covered += c
+            assert torch.equal(transfer.span(group, s, c), torch.cat(group[s : s + c]))
+        assert covered == count
+    flat = [(s, c) for s, c in transfer.chunks([int(p.numel()) for p in pieces], limit)]
+    assert sum(c for _, c in flat) == len(pieces)
