@@ -20,7 +20,7 @@ PIP := $(BIN)/pip install $(PIP_C)
 # The mypyc-compiled wheel `make venv` builds (tests/test_wheel.py installs it).
 COMPILED_WHEEL_DIR := dist/compiled
 COMPILED := src/kvtier/pool.py src/kvtier/manager.py src/kvtier/block_table.py src/kvtier/policy/lru.py src/kvtier/policy/arc.py \
-  src/kvtier/policy/learned.py src/kvtier/policy/guard.py
+  src/kvtier/policy/learned.py src/kvtier/policy/guard.py src/kvtier/_tokpack.c src/kvtier/_tokpack.py
 
 .PHONY: serve run replay test test-latest lock test-compiled test-pure lint typecheck bench venv \
   peers clean redis-server libibverbs prometheus dist

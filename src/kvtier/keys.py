@@ -32,6 +32,7 @@ from itertools import pairwise
 
 import xxhash
 
+from kvtier._tokpack import pack_u32
 from kvtier.errors import BadRequestError, ConfigError
 from kvtier.layout import KVLayout
 
@@ -123,8 +124,19 @@ def item_block_extra(
 
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Little-endian uint32 encoding of token ids; rejects ids outside [0, 2**32)."""
+    return _encode_tokens(token_ids, None)
+
+
+def _encode_tokens(token_ids: Sequence[int], stop: int | None) -> bytes:
+    """:func:`tokens_to_bytes` of ``token_ids[:stop]`` (all of them for ``None``).
+
+    Lists and tuples (what callers pass) go through :func:`pack_u32`, which
+    reads them in place; anything else through ``array``.
+    """
     try:
-        arr = array("I", token_ids)
+        if isinstance(token_ids, (list, tuple)):
+            return pack_u32(token_ids, 0, len(token_ids) if stop is None else stop)
+        arr = array("I", token_ids if stop is None else token_ids[:stop])
     except OverflowError as exc:
         raise BadRequestError(
             "token ids must be integers in [0, 2**32); a negative or huge id was given"
@@ -132,7 +144,7 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     except TypeError as exc:
         raise BadRequestError(f"token ids must be integers: {exc}") from exc
     if arr.itemsize != 4:  # pragma: no cover - no mainstream platform has this
-        arr = array("L", token_ids)
+        arr = array("L", token_ids if stop is None else token_ids[:stop])
     if sys.byteorder == "big":  # pragma: no cover - exercised only on big-endian hosts
         arr.byteswap()
     return arr.tobytes()
@@ -178,9 +190,7 @@ class Namespace:
         """The bytes the namespace root hashes: format version, model, layout, tenant."""
         layout = self.layout.canonical() if self.layout is not None else "-"
         tag = b"kvtier-key/%d" % KEY_FORMAT_VERSION
-        return b"\0".join(
-            (tag, self.model_id.encode(), layout.encode(), self.tenant_salt.encode())
-        )
+        return b"\0".join((tag, self.model_id.encode(), layout.encode(), self.tenant_salt.encode()))
 
 
 class BlockHasher:
@@ -247,7 +257,7 @@ class BlockHasher:
             raise BadRequestError(
                 f"block_extra has {len(block_extra)} entries but there are {n_full} full blocks"
             )
-        data = tokens_to_bytes(token_ids[: n_full * bs])
+        data = _encode_tokens(token_ids, n_full * bs)
         common = _encode_extra(extra) if extra else b""
         digest = self._digest
         key = self.root if parent is None else parent

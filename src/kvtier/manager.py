@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
+from kvtier._tokpack import pack_u32
 from kvtier.block_table import BlockTable, blocks_needed
 from kvtier.errors import (
     BadRequestError,
@@ -200,10 +202,14 @@ class _Request:
         return out
 
 
-def _token_array(token_ids: Sequence[int], what: str, allow_empty: bool = False) -> array[int]:
-    """Token ids as a uint32 array; rejects empty, negative, non-integer or too large ids.
+def _token_array(
+    token_ids: Sequence[int], what: str, allow_empty: bool = False, start: int = 0
+) -> array[int]:
+    """``token_ids[start:]`` as a uint32 array; rejects empty or bad ids.
 
-    ``array("I")`` accepts exactly the integers in ``[0, 2**32)``, in one pass
+    Bad ids are negative, non-integer or too large:
+    :func:`~kvtier._tokpack.pack_u32` (lists and tuples, read in place) and
+    ``array("I")`` accept exactly the integers in ``[0, 2**32)``, in one pass
     in C; the slower scan for a precise message runs only on bad input.
     """
     given: object = token_ids  # a plain object: mypyc narrows str|bytes wrongly
@@ -211,12 +217,18 @@ def _token_array(token_ids: Sequence[int], what: str, allow_empty: bool = False)
         raise BadRequestError(
             f"{what} must be a sequence of integer token ids, not {type(given).__name__}"
         )
-    if not allow_empty and len(token_ids) == 0:
+    if not allow_empty and len(token_ids) == start:
         raise BadRequestError(f"{what} is empty: give at least one token id")
     try:
-        return array("I", token_ids)
+        if isinstance(given, (list, tuple)):
+            arr = array("I", pack_u32(token_ids, start, len(token_ids)))
+            if sys.byteorder == "big":  # pragma: no cover - big-endian hosts only
+                arr.byteswap()
+            return arr
+        return array("I", token_ids[start:] if start else token_ids)
     except (OverflowError, TypeError) as exc:
-        items: Sequence[object] = token_ids  # objects: bad input may hold anything
+        # objects: bad input may hold anything
+        items: Sequence[object] = token_ids[start:] if start else token_ids
         for t in items:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise BadRequestError(
@@ -428,7 +440,7 @@ class KVCacheManager:
         except BadRequestError:
             _token_array(token_ids, "token_ids")  # a precise message
             raise
-        _token_array(token_ids[(n // bs) * bs :], "token_ids", allow_empty=True)
+        _token_array(token_ids, "token_ids", allow_empty=True, start=(n // bs) * bs)
         return self._hits(PrefixMatch(n, tuple(keys), extra, items, checked, 0, 0), tiers)
 
     def rematch(self, match: PrefixMatch, tiers: TierIndex | None = None) -> PrefixMatch:
@@ -519,7 +531,7 @@ class KVCacheManager:
         n = len(token_ids)
         n_full = n // bs
         # Validating the tail doubles as storing it; hashing validates the rest.
-        tail = _token_array(token_ids[n_full * bs :], "token_ids", allow_empty=True)
+        tail = _token_array(token_ids, "token_ids", allow_empty=True, start=n_full * bs)
         if block_keys is None:
             try:
                 keys = self.hasher.chain(
@@ -538,25 +550,27 @@ class KVCacheManager:
         if gate is not None:
             gate.check_admission()
         pool = self.pool
-        hits = pool.lookup(keys[: (n - 1) // bs])
+        hits = pool.lookup(keys, (n - 1) // bs)
         n_hit = len(hits)
         needed = -(-n // bs) - n_hit
         self._ensure_capacity(needed, pool.count_evictable(hits) if hits else 0)
 
         hook = self._request_hook
         if hook is not None:
-            hook(keys if request_keys is None else request_keys, n_hit, self.clock(), checked)
+            # A copy: ``keys`` becomes the request's own list, which grows with it.
+            hook(list(keys) if request_keys is None else request_keys, n_hit, self.clock(), checked)
         pool.acquire(hits)
         new_blocks = pool.allocate(needed)
-        table = BlockTable(bs, hits + new_blocks, n)
+        hits.extend(new_blocks)
+        table = BlockTable(bs, hits, n)
         req = _Request(table, extra, items)
-        req.keys = keys[:n_hit]
+        req.keys = keys
         self._requests[request_id] = req
         if n_full > n_hit:
             tokens = None
             if pool.journal is not None:
                 tokens = token_ids[n_hit * bs : n_full * bs]
-            self._publish(req, keys, n_full, tokens)
+            self._publish(req, keys, n_hit, n_full, tokens)
         if req.chain_open:
             req.tail = tail
         self._allocations += 1
@@ -568,27 +582,34 @@ class KVCacheManager:
     def _publish(
         self,
         req: _Request,
-        keys: Sequence[int],
+        keys: list[int],
+        start: int,
         upto: int,
         tokens: Sequence[int] | None = None,
     ) -> None:
-        """Publish the request's full blocks ``len(req.keys) .. upto-1`` under ``keys``.
+        """Publish the request's full blocks ``start .. upto-1``.
 
-        ``tokens`` (those blocks' token ids) are needed only while the pool
-        keeps a journal: the stored event carries them.
+        ``keys`` holds the keys of the request's blocks ``0 .. upto-1`` (the
+        first ``start`` published already); it becomes ``req.keys``, cut
+        short if admission declines a block. ``tokens`` (the token ids of the
+        blocks published now) are needed only while the pool keeps a journal:
+        the stored event carries them.
         """
-        own = req.keys
-        start = len(own)
-        parent = own[-1] if own else None
-        results = self.pool.commit_chain(req.table.blocks[start:upto], keys[start:upto], parent)
+        req.keys = keys
+        parent = keys[start - 1] if start else None
         blocks = req.table.blocks
-        journal = self.pool.journal
+        pool = self.pool
+        results = pool.commit_run(blocks, keys, start, upto, parent)
+        journal = pool.journal
         if journal is not None and tokens is not None:
-            self._journal_stored(journal, results, blocks, keys, start, parent, tokens)
+            done = blocks[start:upto] if results is None else results
+            self._journal_stored(journal, done, blocks, keys, start, parent, tokens)
+        if results is None:
+            return  # every block became the cached copy: nothing held in its place
         for i, cached in enumerate(results, start):
             if cached < 0:
                 # Admission declined this block: the ones before it are published.
-                own.extend(keys[start:i])
+                del keys[i:]
                 req.chain_open = False
                 req.tail = array("I")
                 return
@@ -598,7 +619,6 @@ class KVCacheManager:
                 self.pool.acquire((cached,), hit=False)
                 req.shadow[i] = cached
                 self._duplicates += 1
-        own.extend(keys[start:upto])
 
     def _journal_stored(
         self,
@@ -685,18 +705,21 @@ class KVCacheManager:
                 if pool.journal is not None:
                     filled = list(req.tail) + list(new_tokens[: n_new - rest])
                 req.tail = new_tokens[n_new - rest :] if rest else array("I")
-                self._publish(req, [*req.keys, *block_keys], n_full, filled)
+                start = len(req.keys)
+                req.keys.extend(block_keys)
+                self._publish(req, req.keys, start, n_full, filled)
             else:
                 req.tail.extend(new_tokens)
                 filled = None
                 if pool.journal is not None:
                     filled = list(req.tail[: (n_full - len(req.keys)) * bs])
-                self._publish(req, self._extend_keys(req, n_full), n_full, filled)
+                start = len(req.keys)
+                self._publish(req, self._extend_keys(req, n_full), start, n_full, filled)
         self._after_growth()
         return Extension(table.copy(), new_blocks, copies)
 
     def _extend_keys(self, req: _Request, n_full: int) -> list[int]:
-        """The request's published keys plus keys for its newly full blocks."""
+        """The request's keys, extended (in place) with keys for its newly full blocks."""
         bs = self.block_size
         cut = (n_full - len(req.keys)) * bs
         parent = req.keys[-1] if req.keys else None
@@ -704,7 +727,8 @@ class KVCacheManager:
         block_extra = item_block_extra(req.items, first, n_full - first, bs)
         more = self.hasher.chain(req.tail[:cut], parent, extra=req.extra, block_extra=block_extra)
         del req.tail[:cut]
-        return req.keys + more
+        req.keys.extend(more)
+        return req.keys
 
     def block_keys(self, request_id: RequestId) -> list[int]:
         """Keys of the request's leading full blocks that are published (a copy)."""
@@ -714,7 +738,8 @@ class KVCacheManager:
         """End a request; its published blocks stay cached until evicted."""
         req = self._get(request_id)
         del self._requests[request_id]
-        self.pool.release(req.held_blocks())
+        # Tail first, as held_blocks() lists them, without building that list.
+        self.pool.release(req.held_blocks() if req.shadow else reversed(req.table.blocks))
         self._after_growth()
 
     def free_and_drop(self, request_id: RequestId) -> int:

@@ -193,21 +193,24 @@ class BlockPool:
         """The block cached under ``key``, if any."""
         return self._cached.get(key)
 
-    def lookup(self, keys: Sequence[int]) -> list[int]:
+    def lookup(self, keys: Sequence[int], limit: int = -1) -> list[int]:
         """Block ids of the longest prefix of ``keys`` cached on this device, as one chain.
 
         Each block after the first must be cached as the child of the one
         before: keys that come from outside (a trace's hash ids, an
         engine's own hashes) may name a block cached under another parent,
         and a hit there would hold a block whose ancestors nobody holds.
+        ``limit`` (when not negative) caps how many leading keys are looked at.
         """
-        get = self._cached.get
+        ks: list[int] = keys if isinstance(keys, list) else list(keys)
+        n = len(ks) if limit < 0 else min(limit, len(ks))
+        cached = self._cached
         parent = self.parent
         out: list[int] = []
         prev = -1
-        for key in keys:
-            b = get(key)
-            if b is None or (prev >= 0 and parent[b] != prev):
+        for i in range(n):
+            b = cached.get(ks[i], -1)
+            if b < 0 or (prev >= 0 and parent[b] != prev):
                 break
             out.append(b)
             prev = b
@@ -292,9 +295,7 @@ class BlockPool:
         while len(free) < target:
             victims = policy.evict_many(target - len(free))
             if not victims:
-                raise InternalInvariantError(
-                    "policy found no victim although blocks are evictable"
-                )
+                raise InternalInvariantError("policy found no victim although blocks are evictable")
             self._drop_victims(victims, announce)
 
     def _drop_victims(self, victims: list[int], announce: bool = True) -> None:
@@ -305,19 +306,20 @@ class BlockPool:
         first_child = self.first_child
         more = self._more_children
         free = self._free
-        evicted = 0
         cascaded = False
         if announce and self._listeners:
             self._announce(victims)
         journal = self.journal
         dropped: list[int] = []
+        missing = 0
         for key in victims:
-            b = cached.pop(key, None)
-            if b is None:
+            b = cached.pop(key, -1)
+            if b < 0:
                 if not cascaded:  # else an earlier victim's subtree may have taken it
                     raise InternalInvariantError(
                         f"policy evicted key {key:#x}, which the device does not hold"
                     )
+                missing += 1
                 continue
             if first_child[b] >= 0:
                 self._evict_subtree(b)
@@ -332,10 +334,9 @@ class BlockPool:
                 else:
                     self._unlink(b)
             free.append(b)
-            evicted += 1
             if journal is not None:
                 dropped.append(key)
-        self.evictions += evicted
+        self.evictions += len(victims) - missing
         if journal is not None and dropped:
             journal.append((REMOVED, dropped, -1, []))
 
@@ -481,6 +482,19 @@ class BlockPool:
             raise InternalInvariantError("commit_chain needs one key per block")
         if not blocks:
             return []
+        block_list = list(blocks)
+        results = self.commit_run(block_list, list(keys), 0, len(block_list), parent)
+        return block_list if results is None else results
+
+    def commit_run(
+        self, blocks: list[int], keys: list[int], start: int, upto: int, parent: int | None
+    ) -> list[int] | None:
+        """:meth:`commit_chain` of ``blocks[start:upto]`` under ``keys[start:upto]``.
+
+        Returns ``None`` when every block became the cached copy (the common
+        case, with no per-block result list to build and read back), else
+        :meth:`commit_chain`'s results for the run.
+        """
         cached = self._cached
         if parent is None:
             pb = -1
@@ -492,14 +506,24 @@ class BlockPool:
                 )
             pb = found
         block_key = self.block_key
-        # How many of the run's new keys may be published (all, without a filter).
-        admitted = -1 if self._admits_all else self._admitted_new(keys)
-        results: list[int] = []
-        published: list[int] = []
         parents = self.parent
-        for block, key in zip(blocks, keys, strict=True):
+        first_child = self.first_child
+        # How many of the run's new keys may be published (all, without a filter).
+        admitted = -1 if self._admits_all else self._admitted_new(keys[start:upto])
+        # Built only once a block is not published in place (a duplicate, a
+        # decline); until then the results are the blocks themselves and the
+        # published keys the run's keys.
+        results: list[int] | None = None
+        published: list[int] = []
+        n_published = 0
+        for i in range(start, upto):
+            block = blocks[i]
+            key = keys[i]
             existing = cached.get(key)
             if existing is not None:
+                if results is None:
+                    results = blocks[start:i]
+                    published = keys[start:i]
                 if parents[existing] != pb:
                     # The key is cached under another parent (keys that are not
                     # chained): holding that copy would hold a block whose
@@ -512,19 +536,28 @@ class BlockPool:
                 continue
             if block_key[block] is not None:
                 raise InternalInvariantError(f"commit of block {block}, which is already cached")
-            if len(published) == admitted:
+            if n_published == admitted:
+                if results is None:
+                    results = blocks[start:i]
+                    published = keys[start:i]
                 self.declined += 1
                 results.append(-1)
                 break
             cached[key] = block
             block_key[block] = key
             if pb >= 0:
-                self._link(pb, block)
-            published.append(key)
-            results.append(block)
+                parents[block] = pb
+                if first_child[pb] < 0:
+                    first_child[pb] = block
+                else:
+                    self._more_children.setdefault(pb, []).append(block)
+            n_published += 1
+            if results is not None:
+                results.append(block)
+                published.append(key)
             pb = block
-        if published:
-            self.policy.insert_many(published, True)
+        if n_published:
+            self.policy.insert_many(keys[start:upto] if results is None else published, True)
         return results
 
     def _admitted_new(self, keys: Sequence[int]) -> int:
@@ -596,8 +629,7 @@ class BlockPool:
             )
         if n_evictable != self.policy.num_evictable:
             raise InternalInvariantError(
-                f"{n_evictable} evictable blocks but the policy counts "
-                f"{self.policy.num_evictable}"
+                f"{n_evictable} evictable blocks but the policy counts {self.policy.num_evictable}"
             )
         if holders is not None:
             counts: Counter[int] = Counter()
