@@ -208,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
                 url = "https" + url.removeprefix("http")
             for line in access_lines(auth, tls):
                 print(f"kvtier: {line}", flush=True)
-            print(f"kvtier: {default_max_tokens_line(limits, engine.max_model_len)}", flush=True)
             print(f"kvtier: {limits.tenants.describe()}", flush=True)
+            print(f"kvtier: {default_max_tokens_line(limits, engine.max_model_len)}", flush=True)
             print(
                 f"kvtier: serving {name} at {url}/v1 (OpenAI-compatible; "
                 f"try: curl {url}/v1/models)",
