@@ -44,9 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.hints import Hints
@@ -56,6 +54,7 @@ if TYPE_CHECKING:
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.mm.images import ImageLimits, check_count, load_image
+from kvtier.server.api_errors import APIError, SafeJSONResponse, install_error_handlers
 from kvtier.server.auth import AuthGuard, ServerAuth, tenant_of
 from kvtier.server.disagg import Disaggregation, Transfer
 from kvtier.server.grammar import ToolGrammars
@@ -69,14 +68,13 @@ from kvtier.server.metrics import (
     stats_dict,
     worker_reader,
 )
-from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.streaming import (
     SSE_HEADERS,
     ChoiceAccumulator,
     chat_stream,
     completion_stream,
     failure_message,
-    json_bytes,
     usage_body,
 )
 from kvtier.server.tenant_limits import TenantGate, TenantLimitExceeded, TicketGuard
@@ -90,83 +88,6 @@ SNAPSHOT_TIMEOUT_S = 30.0
 
 #: How often a non-streaming request checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body and ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-
-class SafeJSONResponse(JSONResponse):
-    """A JSON response that never fails to render (lone surrogates are escaped)."""
-
-    def render(self, content: Any) -> bytes:
-        return json_bytes(content)
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    return SafeJSONResponse(
-        error_body(exc.message, type=exc.type, param=exc.param, code=exc.code),
-        status_code=exc.status,
-        headers=exc.headers,
-    )
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-
-
-def _is_union_tag(part: str) -> bool:
-    """Pydantic names the union member in an error's location: ``str``, ``list[int]``, ..."""
-    return part in _TYPE_TAGS or "[" in part or part.startswith(("function-", "constrained-"))
-
-
-def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
-    parts = [p for p in loc if p != "body" and not (isinstance(p, str) and _is_union_tag(p))]
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        else:
-            out += f".{p}" if out else str(p)
-    return out or None
-
-
-def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter for a list of pydantic errors."""
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = tuple(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        pos = loc[1] if len(loc) > 1 else "?"
-        return f"the request body is not valid JSON ({detail} at position {pos})", None
-    param = _loc_to_param(loc)
-    msg = str(first.get("msg", "invalid value"))
-    if param is None:
-        if first.get("type") == "missing":
-            return "the request body is missing: send a JSON object", None
-        return f"invalid request body: {msg}", None
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"invalid value for '{param}': {msg}{more}", param
 
 
 # -- the application -----------------------------------------------------------------
@@ -231,41 +152,7 @@ def create_app(
         """Tool-call grammars for the served tokenizer, built at the first request needing one."""
         return ToolGrammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
 
-    # -- errors ----------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(exc.errors()))
-        return _error_response(APIError(400, message, param=param))
-
-    @app.exception_handler(BadRequestError)
-    async def _bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
-        return _error_response(APIError(400, str(exc), param=exc.param))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error(
-            "%s %s failed: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc
-        )
-        return SafeJSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
-            status_code=500,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            message = f"Invalid URL ({request.method} {request.url.path})"
-        else:
-            message = f"{exc.detail} ({request.method} {request.url.path})"
-        return SafeJSONResponse(
-            error_body(message),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+    install_error_handlers(app)
 
     # -- helpers ----------------------------------------------------------------------
     def check_model(name: str) -> None:
