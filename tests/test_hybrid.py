@@ -29,8 +29,10 @@ from hypothesis import strategies as st  # noqa: E402
 from tiny_model import (  # noqa: E402
     TinyFamily,
     check_chunked_batches_and_preemption,
+    check_moved_request,
+    check_prefix_hit_and_host_tier,
     check_request_mix,
-    greedy_ignoring_eos,
+    request_mixes,
     run_all,
     seeded_prompt,
     tiny_tokenizer,
@@ -40,15 +42,12 @@ from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa:
 from kvtier.engine.attention_spec import short_conv_layers  # noqa: E402
 from kvtier.engine.config import EngineConfig  # noqa: E402
 from kvtier.engine.conv_layers import install_short_convs, pack  # noqa: E402
-from kvtier.engine.migrate import migrate  # noqa: E402
 from kvtier.engine.model import geometry, probe_model  # noqa: E402
 from kvtier.engine.paged import BatchMeta, SeqSlice  # noqa: E402
 from kvtier.engine.support import check_supported  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.layout import KVLayout, cdiv  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
-from kvtier.offload.host import HostStore  # noqa: E402
-from kvtier.offload.tier import Tier  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402
 
 BS = 4
@@ -132,7 +131,7 @@ def test_lfm2_configs_kvtier_cannot_serve_are_refused(
         check_supported(config.get)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "falcon_h1", "granitemoehybrid", "jamba"])
 def test_recurrent_hybrids_stay_refused(model_type: str) -> None:
     fields = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 4}
     with pytest.raises(ConfigError, match=r"linear attention|Mamba"):
@@ -202,31 +201,12 @@ def test_batches_with_chunks_and_preemption(lfm2: Lfm2) -> None:
 
 
 def test_a_prefix_hit_and_a_host_tier_round_trip(lfm2: Lfm2) -> None:
-    engine = lfm2.engine(num_blocks=16, tiers=[Tier(HostStore(), 64)])
-    prompts = [seeded_prompt(20 + i, 29) for i in range(4)]
-    for _round in range(2):
-        for prompt in prompts:
-            assert run_all(engine, [prompt], 6) == [lfm2.hf_greedy(prompt, 6)]
-    assert engine.counters.loaded_prompt_tokens > 0  # evicted prefixes came back from host
-    engine.close()
-    again = lfm2.engine()
-    prompt = seeded_prompt(30, 27)
-    run_all(again, [prompt], 4)
-    # A different continuation of the cached prefix: its first new token's conv window
-    # reads the two positions before it from the cached blocks.
-    for tail in (prompt, prompt[:25] + seeded_prompt(31, 5)):
-        outs = list(again.generate(tail, greedy_ignoring_eos(4)))
-        assert outs[-1].metrics.cached_tokens == 24
-        assert [t for o in outs for t in o.token_ids] == lfm2.hf_greedy(tail, 4)
+    """The continued prefix's first new token reads its conv window from cached blocks."""
+    check_prefix_hit_and_host_tier(lfm2)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
-    shared=st.integers(0, 16),
-    num_blocks=st.integers(12, 40),
-    budget=st.integers(4, 24),
-)
+@given(**request_mixes())
 def test_any_mix_of_requests_gives_hf_generate_tokens(
     lfm2: Lfm2, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
@@ -237,21 +217,7 @@ def test_any_mix_of_requests_gives_hf_generate_tokens(
 @pytest.mark.parametrize("steps_before", [1, 5])
 def test_a_request_moved_to_another_engine_keeps_its_tokens(lfm2: Lfm2, steps_before: int) -> None:
     """Mid-prefill or mid-decode: the blocks carry the convolution inputs with the K/V."""
-    prompt = seeded_prompt(33, 17)
-    a = lfm2.engine(max_num_batched_tokens=8)
-    b = lfm2.engine(num_blocks=40)
-    a.add_request(prompt, greedy_ignoring_eos(12), "r")
-    got: list[int] = []
-    for _ in range(steps_before):
-        got.extend(t for out in a.step() for t in out.token_ids)
-    computed = b.counters.computed_prompt_tokens
-    assert migrate(a, b, "r", new_id="moved") == "moved"
-    while b.has_unfinished():
-        got.extend(t for out in b.step() for t in out.token_ids)
-    assert got == lfm2.hf_greedy(prompt, 12)
-    if steps_before == 5:  # moved after its prefill: the destination computed none of it
-        assert b.counters.computed_prompt_tokens == computed
-    b.manager.check()
+    check_moved_request(lfm2, steps_before)
 
 
 def test_a_kvtier_cache_under_hf_generate(lfm2: Lfm2) -> None:

@@ -42,6 +42,23 @@ _SMALL = {
 }
 
 
+#: Small gated delta-net (linear attention) layers around one attention layer.
+_DELTA_NET: dict[str, Any] = {
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+}
+_SHARED_EXPERTS: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+
+
 def _config(cls_name: str, **fields: Any) -> Any:
     cls = getattr(transformers, cls_name)
     return cls(vocab_size=len(tiny_tokenizer()), **{**_SMALL, **fields})
@@ -62,7 +79,7 @@ UNSUPPORTED = [
     ),
     ("MinistralConfig", {"sliding_window": 32}, "sliding-window attention"),
     ("Llama4TextConfig", {"attention_chunk_size": 32, "head_dim": 16}, "chunked local attention"),
-    ("Qwen3NextConfig", {"head_dim": 16}, "linear attention"),
+    ("Qwen3_5MoeConfig", {}, "linear attention"),
     ("FalconH1Config", {"head_dim": 16}, "Mamba"),
     ("JambaConfig", {}, "Mamba"),
     (
@@ -138,7 +155,7 @@ def test_serve_refuses_with_one_line(
 
 @pytest.mark.parametrize(
     "cls_name",
-    ["Gemma3TextConfig", "Qwen3NextConfig", "DeepseekV2Config", "Gemma2Config"],
+    ["Gemma3TextConfig", "FalconH1Config", "DeepseekV2Config", "Gemma2Config"],
 )
 def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
     """A model already in memory (no files to probe) is refused when the engine is built."""
@@ -262,6 +279,38 @@ SUPPORTED = [
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "num_dense_layers": 1,
+        },
+    ),
+    # Linear-attention (gated delta-net) and Mamba-2 layers around attention: state
+    # checkpoints in the blocks (tests/test_state_layers.py goes further).
+    ("Qwen3NextConfig", {**_DELTA_NET, **_SHARED_EXPERTS}),
+    (
+        "Qwen3_5TextConfig",
+        {
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "head_dim": 16,
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+        },
+    ),
+    (
+        "Qwen3_5MoeTextConfig",
+        {
+            **_DELTA_NET,
+            **_SHARED_EXPERTS,
+            "layer_types": ["full_attention", "linear_attention", "linear_attention"],
+        },
+    ),
+    (
+        "BambaConfig",
+        {
+            "attn_layer_indices": [2],
+            "mamba_n_heads": 4,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 8,
+            "pad_token_id": 0,
         },
     ),
 ]

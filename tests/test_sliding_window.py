@@ -29,6 +29,7 @@ from tiny_model import (  # noqa: E402
     TinyFamily,
     check_request_mix,
     greedy_ignoring_eos,
+    request_mixes,
     run_all,
     seeded_prompt,
     tiny_tokenizer,
@@ -327,12 +328,7 @@ def test_a_kvtier_cache_under_hf_generate(gemma: Gemma) -> None:
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
-    shared=st.integers(0, 16),
-    num_blocks=st.integers(12, 40),
-    budget=st.integers(4, 24),
-)
+@given(**request_mixes())
 def test_any_mix_of_requests_gives_hf_generate_tokens(
     gemma: Gemma, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:

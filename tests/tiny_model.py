@@ -197,6 +197,64 @@ def check_chunked_batches_and_preemption(family: TinyFamily, max_batched_tokens:
     tight.manager.check()
 
 
+def request_mixes() -> dict[str, Any]:
+    """Hypothesis strategies for :func:`check_request_mix`'s arguments (``@given(**...)``)."""
+    from hypothesis import strategies as st
+
+    return {
+        "lengths": st.lists(st.integers(1, 30), min_size=1, max_size=4),
+        "shared": st.integers(0, 16),
+        "num_blocks": st.integers(12, 40),
+        "budget": st.integers(4, 24),
+    }
+
+
+def check_prefix_hit_and_host_tier(family: TinyFamily) -> None:
+    """Prompts evicted to a host tier and loaded back, then one cached prefix continued two
+    ways (the same prompt, and another tail after its first 25 tokens): the reference's
+    greedy tokens every time, with 24 tokens (six blocks of 4) taken from the cache."""
+    from kvtier.offload.host import HostStore
+    from kvtier.offload.tier import Tier
+
+    engine = family.engine(num_blocks=16, tiers=[Tier(HostStore(), 64)])
+    prompts = [seeded_prompt(20 + i, 29) for i in range(4)]
+    for _round in range(2):
+        for prompt in prompts:
+            assert run_all(engine, [prompt], 6) == [family.hf_greedy(prompt, 6)]
+    assert engine.counters.loaded_prompt_tokens > 0  # evicted prefixes came back from host
+    engine.close()
+    again = family.engine()
+    prompt = seeded_prompt(30, 27)
+    run_all(again, [prompt], 4)
+    for tail in (prompt, prompt[:25] + seeded_prompt(31, 5)):
+        outs = list(again.generate(tail, greedy_ignoring_eos(4)))
+        assert outs[-1].metrics.cached_tokens == 24
+        assert [t for o in outs for t in o.token_ids] == family.hf_greedy(tail, 4)
+
+
+def check_moved_request(family: TinyFamily, steps_before: int) -> None:
+    """A request moved to another engine after ``steps_before`` steps (1: mid-prefill, 5:
+    mid-decode) keeps the reference's greedy tokens; moved after its prefill, the
+    destination computes none of its prompt."""
+    from kvtier.engine.migrate import migrate
+
+    prompt = seeded_prompt(33, 17)
+    a = family.engine(max_num_batched_tokens=8)
+    b = family.engine(num_blocks=40)
+    a.add_request(prompt, greedy_ignoring_eos(12), "r")
+    got: list[int] = []
+    for _ in range(steps_before):
+        got.extend(t for out in a.step() for t in out.token_ids)
+    computed = b.counters.computed_prompt_tokens
+    assert migrate(a, b, "r", new_id="moved") == "moved"
+    while b.has_unfinished():
+        got.extend(t for out in b.step() for t in out.token_ids)
+    assert got == family.hf_greedy(prompt, 12)
+    if steps_before >= 5:
+        assert b.counters.computed_prompt_tokens == computed
+    b.manager.check()
+
+
 def check_request_mix(
     family: TinyFamily, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:

@@ -36,6 +36,7 @@ from kvtier.cli.serve_config import (
     image_limits,
     pd_role,
     server_limits,
+    state_block_size,
 )
 from kvtier.cli.serve_flags import DEFAULT_MAX_TOKENS, EPILOG, add_flags
 from kvtier.errors import ConfigError
@@ -166,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     sock = _bind(args.host, args.port)
     try:
+        block_line = None
+        if args.block_size is None:
+            config, block_line = state_block_size(config)
         tokenizer, warnings = preflight(config)
+        if block_line is not None:
+            print(f"kvtier: {block_line}", flush=True)
         for warning in warnings:
             log.warning("%s", warning)
         what = args.model or f"{DEFAULT_MODEL_ID} (the bundled default)"

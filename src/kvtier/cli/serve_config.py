@@ -63,6 +63,35 @@ def _pressure_spec(args: argparse.Namespace) -> Any:
     )
 
 
+def state_block_size(config: Any) -> tuple[Any, str | None]:
+    """``config`` with the block size a hybrid model's states need, and a banner line.
+
+    Used when ``--block-size`` is not given: for a model with linear-attention
+    or Mamba layers, the smallest multiple of 16 at which a block's share of
+    such a layer holds the layer's state (nothing widened); 16 otherwise.
+    """
+    import dataclasses
+
+    from kvtier.engine.model import probe_model
+    from kvtier.engine.state_spec import state_block_size as smallest
+    from kvtier.layout import DTYPE_BYTES
+
+    default = dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=16))
+    info = probe_model(config.model, model_id=config.model_id)
+    if info.state is None:
+        return default, None
+    itemsize = DTYPE_BYTES[config.dtype]
+    size = smallest(info.state, info.head_dim, info.num_kv_heads, itemsize)
+    cache = dataclasses.replace(config.cache, block_size=size)
+    line = (
+        f"block size {size} tokens: a block keeps one checkpoint of each of the model's "
+        f"{len(info.state.layers)} linear-attention layers' states "
+        f"({info.state.nbytes(itemsize) / 2**20:.2f} MiB each), and at this size it takes "
+        "no more room than the attention layers' K/V of its tokens (--block-size overrides)"
+    )
+    return dataclasses.replace(config, cache=cache), line
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     """The :class:`~kvtier.engine.config.EngineConfig` the flags describe."""
     from kvtier.engine.config import CacheConfig, EngineConfig, PrefetchConfig, SchedulerConfig
@@ -77,7 +106,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         device=args.device,
         cache=CacheConfig(
-            block_size=args.block_size,
+            block_size=args.block_size or 16,
             kv_cache_bytes=args.kv_cache_memory,
             num_blocks=args.num_blocks,
             policy=args.policy,

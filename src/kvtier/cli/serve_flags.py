@@ -133,9 +133,11 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--block-size",
         type=arg(positive_int, "block size"),
-        default=16,
+        default=None,
         metavar="TOKENS",
-        help="tokens per KV block (default 16)",
+        help="tokens per KV block (default 16; for a model with linear-attention or Mamba "
+        "layers, the smallest multiple of 16 whose block holds one checkpoint of each such "
+        "layer's state without padding, e.g. 1056 for Qwen3-Next in bfloat16)",
     )
     serve.add_argument(
         "--kv-cache-memory",

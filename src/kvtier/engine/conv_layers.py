@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.block_layers import BlockBackedLayer, mix_in
 from kvtier.errors import ConfigError
 from kvtier.storage import KVBlockStorage
 
@@ -110,31 +111,10 @@ def unpack(k: torch.Tensor, v: torch.Tensor, hidden: int) -> torch.Tensor:
     return torch.cat((k.reshape(n, -1), v.reshape(n, -1)), dim=1)[:, :hidden]
 
 
-class _BlockShortConv:
+class _BlockShortConv(BlockBackedLayer):
     """Mixed into a model's short-convolution class by :func:`install_short_convs`."""
 
     _kvtier_plan: _Plan
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cache: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        meta: BatchMeta | None = kwargs.get("kvtier_batch")
-        if meta is not None:
-            return self._batched(hidden_states, meta)
-        from kvtier.engine.hf_cache import KvTierCache
-
-        if isinstance(cache, KvTierCache):
-            if attention_mask is not None and attention_mask.dim() == 2:
-                # Padding positions feed the convolution zeros, as in the model's own forward.
-                hidden_states = hidden_states * attention_mask[:, -hidden_states.shape[1] :, None]
-            return self._cached(hidden_states, cache)
-        return super().forward(  # type: ignore[misc]
-            hidden_states, cache=cache, attention_mask=attention_mask, **kwargs
-        )
 
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(C, B * x)`` of a ``[1, T, hidden]`` row, each ``[T, hidden]``."""
@@ -173,7 +153,12 @@ class _BlockShortConv:
         ext = unpack(k, v, bx.shape[-1]).masked_fill(~w.ext_valid[:, None], 0)
         return self._convolve(c, ext, w.first)
 
-    def _cached(self, hidden_states: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _cached(
+        self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # Padding positions feed the convolution zeros, as in the model's own forward.
+            hidden_states = hidden_states * attention_mask[:, -hidden_states.shape[1] :, None]
         storage: KVBlockStorage = cache.storage
         layer = int(self.layer_idx)  # type: ignore[attr-defined]
         kernel = int(self.conv_kernel_size)  # type: ignore[attr-defined]
@@ -235,9 +220,6 @@ class _NarrowAttention:
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
 def is_short_conv(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an LFM2-style short convolution (in_proj, conv, out_proj)."""
     return (
@@ -259,16 +241,6 @@ def _is_attention(module: torch.nn.Module) -> bool:
     )
 
 
-def _mix(module: torch.nn.Module, mixin: type) -> None:
-    cls = type(module)
-    if issubclass(cls, mixin):
-        return
-    mixed = _CLASSES.get((cls, mixin))
-    if mixed is None:
-        mixed = _CLASSES[cls, mixin] = type(f"KvTier{cls.__name__}", (mixin, cls), {})
-    module.__class__ = mixed
-
-
 def install_short_convs(model: Any) -> int:
     """Serve ``model``'s short convolutions from kvtier's blocks; returns how many it has.
 
@@ -282,9 +254,9 @@ def install_short_convs(model: Any) -> int:
         return 0
     plan = _Plan()  # one per model: its conv layers share each pass's window indices
     for module in convs:
-        _mix(module, _BlockShortConv)
+        mix_in(module, _BlockShortConv)
         module._kvtier_plan = plan
     for module in model.modules():
         if _is_attention(module):
-            _mix(module, _NarrowAttention)
+            mix_in(module, _NarrowAttention)
     return len(convs)

@@ -72,6 +72,8 @@ from kvtier.engine.request import (
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits
+from kvtier.engine.state_layers import check_exact_blocks
+from kvtier.engine.state_spec import state_spec
 from kvtier.errors import (
     BadRequestError,
     ConfigError,
@@ -192,6 +194,12 @@ class Engine:
             spec.build(self.storage.block_shape, self.storage.dtype, device=self.device)
             for spec in config.tiers
         ] + built_tiers
+        check_exact_blocks(
+            state_spec(lambda name: getattr(text_config, name, None)),
+            stored_dtype=self.layout.dtype,
+            model_dtype=self.model_layout.dtype,
+            lossy_tiers=any(t.codec.name != "raw" for t in built),
+        )
         #: The chain of tiers below the device (``None`` without tiers).
         self.tier_chain: TierChain | None = (
             TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
@@ -609,7 +617,14 @@ def check_config(config: EngineConfig, tokenizer: Any = None) -> None:
     from kvtier.engine.model import probe_model
 
     info = probe_model(config.model, model_id=config.model_id)
-    plan = config.plan(info.layout(config.cache.block_size, config.dtype), info.max_positions)
+    layout = info.layout(config.cache.block_size, config.dtype)
+    plan = config.plan(layout, info.max_positions)
+    check_exact_blocks(
+        info.state,
+        stored_dtype=plan.layout.dtype,
+        model_dtype=layout.dtype,
+        lossy_tiers=any(spec.codec != "raw" for spec in config.tiers),
+    )
     bare = None if tokenizer is None else bare_chat_tokens(tokenizer)
     if bare is not None:
         check_min_request(plan, bare)

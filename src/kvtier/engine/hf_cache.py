@@ -49,7 +49,8 @@ def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayo
     full ones: every block holds every layer's K/V.
     """
     from kvtier.engine.model import geometry
-    from kvtier.engine.support import check_supported
+    from kvtier.engine.state_spec import slot_width, state_spec
+    from kvtier.engine.support import check_supported, check_wrapper
 
     text = getattr(config, "text_config", None) or config  # vision-language: the decoder's
 
@@ -58,11 +59,17 @@ def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayo
         source = config if name == "vision_config" else text
         return getattr(source, name, None)
 
+    if text is not config:
+        check_wrapper(getattr(config, "model_type", None))
     check_supported(get)
     layers, _, kv_heads, head_dim = geometry(lambda name: getattr(text, name, None))
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise ConfigError(f"model dtype {dtype} cannot be stored in KV blocks")
+    state = state_spec(lambda name: getattr(text, name, None))
+    if state is not None:
+        # A state layer's part of a block holds the layer's recurrent state.
+        head_dim = slot_width(state, head_dim, kv_heads, block_size, DTYPE_BYTES[name])
     return KVLayout(layers, kv_heads, head_dim, block_size, name)
 
 

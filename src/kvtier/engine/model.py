@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from kvtier.engine.attention_spec import short_conv_layers
-from kvtier.engine.support import check_supported
+from kvtier.engine.state_spec import StateSpec, slot_width, state_spec
+from kvtier.engine.support import check_supported, check_wrapper
 from kvtier.errors import ConfigError
-from kvtier.layout import KVLayout
+from kvtier.layout import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,16 @@ class ModelInfo:
     max_positions: int
     vocab_size: int | None
     chat_template: str | None
+    #: A hybrid model's per-layer recurrent state (``None``: every layer keeps K/V per token).
+    state: StateSpec | None = None
 
     def layout(self, block_size: int, dtype: str) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
+        head_dim = self.head_dim
+        if self.state is not None:
+            head_dim = slot_width(
+                self.state, head_dim, self.num_kv_heads, block_size, DTYPE_BYTES[dtype]
+            )
+        return KVLayout(self.num_layers, self.num_kv_heads, head_dim, block_size, dtype)
 
 
 def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
@@ -185,6 +193,7 @@ def probe_model(
     else:
         cfg = _read_json(path / "config.json")
         if isinstance(cfg.get("text_config"), dict):  # vision-language models nest the decoder
+            check_wrapper(cfg.get("model_type"), source=f"--model {path}")
             cfg = {**cfg, **cfg["text_config"]}
         get = cfg.get
         chat = _hf_chat_template(path)
@@ -202,6 +211,7 @@ def probe_model(
         positions if isinstance(positions, int) and positions > 0 else 2**31,
         vocab if isinstance(vocab, int) else None,
         chat,
+        state_spec(get),
     )
 
 

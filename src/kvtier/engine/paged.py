@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine.attention_spec import first_visible
+from kvtier.engine.block_layers import mix_in
 from kvtier.errors import ConfigError
 from kvtier.layout import cdiv
 from kvtier.storage import KVBlockStorage
@@ -299,29 +300,19 @@ class _LatentAttention:
         )
 
 
-_LATENT_CLASSES: dict[type, type] = {}
-
-
 def _store_latents(model: Any) -> None:
     """Give every MLA attention module of ``model`` the latent-storing behaviour."""
     for module in model.modules():
-        cls = type(module)
-        if issubclass(cls, _LatentAttention) or not (
-            hasattr(module, "expand_kv") and hasattr(module, "kv_b_proj")
-        ):
-            continue
-        latent_cls = _LATENT_CLASSES.get(cls)
-        if latent_cls is None:
-            latent_cls = type(f"KvTier{cls.__name__}", (_LatentAttention, cls), {})
-            _LATENT_CLASSES[cls] = latent_cls
-        module.__class__ = latent_cls
+        if hasattr(module, "expand_kv") and hasattr(module, "kv_b_proj"):
+            mix_in(module, _LatentAttention)
 
 
 def install(model: Any) -> None:
     """Switch ``model`` to :func:`paged_attention` (plain SDPA whenever no batch is given).
 
-    Short-convolution layers (LFM2) are switched to their block-backed form too
-    (:mod:`kvtier.engine.conv_layers`).
+    Short-convolution layers (LFM2) and linear-attention / Mamba layers
+    (Qwen3-Next, Bamba) are switched to their block-backed forms too
+    (:mod:`kvtier.engine.conv_layers`, :mod:`kvtier.engine.state_layers`).
     """
     global _registered
     if not _registered:
@@ -336,5 +327,7 @@ def install(model: Any) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _store_latents(model)
     from kvtier.engine.conv_layers import install_short_convs
+    from kvtier.engine.state_layers import install_state_layers
 
     install_short_convs(model)
+    install_state_layers(model)

@@ -28,13 +28,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.engine.attention_spec import CONV, SLIDING, attention_spec
+from kvtier.engine.state_spec import LINEAR, STATE_MODEL_TYPES, state_spec
 from kvtier.errors import ConfigError
 
 #: ``model_type`` values whose every layer is full causal attention, sliding-window
 #: attention, MLA or a short convolution, all kept per token in the blocks (with the
 #: feature checks below): served exactly.
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v3", "lfm2", "lfm2_moe"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3_text",
+        "deepseek_v3",
+        "lfm2",
+        "lfm2_moe",
+        *STATE_MODEL_TYPES,
+    }
 )
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
@@ -70,21 +81,17 @@ _KNOWN_UNSUPPORTED = {
     ),
     "attention sinks (a learned logit in every softmax)": ("gpt_oss",),
     "chunked local attention": ("llama4", "llama4_text"),
-    "linear attention (a hybrid model with a recurrent state per layer)": (
-        "qwen3_next",
-        "qwen3_5",
-        "qwen3_5_text",
-        "qwen3_5_moe",
-        "qwen3_5_moe_text",
-        "minimax",
-    ),
+    "linear attention (a hybrid model with a recurrent state per layer)": ("minimax",),
+    (
+        "linear attention with image-text rotary positions (Qwen3.5's image-text form; kvtier "
+        "serves its text model, model_type qwen3_5_text or qwen3_5_moe_text)"
+    ): ("qwen3_5", "qwen3_5_moe"),
     "Mamba / state-space layers": (
         "mamba",
         "mamba2",
         "jamba",
         "falcon_h1",
         "falcon_mamba",
-        "bamba",
         "zamba",
         "zamba2",
         "granitemoehybrid",
@@ -114,8 +121,9 @@ _ADVICE = (
     "kvtier serves decoder-only models of the families "
     f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}, built from full causal attention, "
     f"sliding-window attention ({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}), "
-    f"multi-head latent attention ({', '.join(sorted(MLA_MODEL_TYPES))}) and short causal "
-    f"convolutions ({', '.join(sorted(SHORT_CONV_MODEL_TYPES))}); serve this model with an "
+    f"multi-head latent attention ({', '.join(sorted(MLA_MODEL_TYPES))}), short causal "
+    f"convolutions ({', '.join(sorted(SHORT_CONV_MODEL_TYPES))}) and linear-attention / Mamba "
+    f"layers ({', '.join(sorted(STATE_MODEL_TYPES))}); serve this model with an "
     "engine that implements its attention, or pick a supported model"
 )
 
@@ -147,6 +155,20 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
         )
 
 
+def check_wrapper(model_type: object, *, source: str = "the model") -> None:
+    """Refuse an image-text wrapper whose family is known unsupported, whatever its decoder.
+
+    A vision-language config nests its decoder's (``text_config``), which
+    kvtier checks on its own; the wrapper can still attend in a way the
+    decoder alone does not (Gemma 3's, Qwen3.5's image-text forms).
+    """
+    if isinstance(model_type, str) and model_type in _FAMILY_OF:
+        raise ConfigError(
+            f"{source} is a {model_type!r} model, which uses {_FAMILY_OF[model_type]}: "
+            f"not supported yet. {_ADVICE}"
+        )
+
+
 def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str | None:
     """The first config feature kvtier does not implement, described; ``None`` if none."""
     sliding_ok = name in SLIDING_WINDOW_MODEL_TYPES
@@ -159,6 +181,8 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
         allowed = {"full_attention", SLIDING} if sliding_ok else {"full_attention"}
         if name in SHORT_CONV_MODEL_TYPES:
             allowed.add(CONV)
+        if name in STATE_MODEL_TYPES:
+            allowed.add(LINEAR)
         odd = sorted({str(t) for t in layer_types if t not in allowed})
         if odd:
             kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
@@ -192,9 +216,20 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
     for field in ("attn_logit_softcapping", "attention_logit_softcapping"):
         if get(field) not in (None, 0, 0.0):
             return f"attention logit soft-capping ({field}={get(field)})"
+    if name in STATE_MODEL_TYPES:
+        return _state_feature(get)
     for field in ("layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg"):
         if get(field) is not None:
             return f"Mamba / state-space layers ({field} is set)"
+    return None
+
+
+def _state_feature(get: Callable[[str], object]) -> str | None:
+    """What a Qwen3-Next or Bamba config asks for beyond what kvtier's state layers keep."""
+    try:
+        state_spec(get)
+    except ConfigError as exc:
+        return f"linear-attention layers kvtier cannot read ({exc})"
     return None
 
 

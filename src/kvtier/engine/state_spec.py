@@ -1,0 +1,157 @@
+"""The recurrent state of a hybrid model's linear-attention and Mamba layers, from its config.
+
+Qwen3-Next's and Qwen3.5's gated delta-net layers and Bamba's Mamba-2 layers keep no K/V
+per token. Each carries, per sequence, a fixed-size state: the last
+``kernel`` inputs of a causal depthwise convolution (``channels x kernel``,
+in the model's dtype) and a recurrent matrix per head (float32, as
+transformers keeps it). The output at position ``p`` depends on the whole
+prefix only through that state, so resuming a sequence at ``p`` needs the
+state exactly as it was after token ``p - 1``.
+
+kvtier keeps such a state in its blocks (:mod:`kvtier.engine.state_layers`):
+a state layer's part of a block holds the layer's state after the block's
+last token. :func:`state_spec` says which layers those are and how many
+bytes one state takes, from config fields alone, so a server sizes its
+blocks before any weight is read; :func:`slot_width` is the head width a
+block's slots need so that one layer's part of a block holds a state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+#: The ``layer_types`` value of a layer that carries a recurrent state.
+LINEAR = "linear_attention"
+
+#: Families whose state layers kvtier keeps in its blocks, by ``model_type``.
+STATE_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba"})
+
+#: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba-2.
+_DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+
+#: The recurrent state is float32 whatever the model's dtype (transformers keeps it so).
+RECURRENT_ITEMSIZE = 4
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state layer's state, the same for every state layer of a model."""
+
+    #: The layers that carry a state instead of per-token K/V.
+    layers: tuple[int, ...]
+    #: The convolution's input channels and the columns of it kept (transformers keeps ``kernel``).
+    conv_channels: int
+    conv_kernel: int
+    #: The recurrent state's shape per sequence (heads and the per-head matrix).
+    recurrent_shape: tuple[int, int, int]
+
+    @property
+    def recurrent_bytes(self) -> int:
+        h, a, b = self.recurrent_shape
+        return h * a * b * RECURRENT_ITEMSIZE
+
+    def conv_bytes(self, itemsize: int) -> int:
+        return self.conv_channels * self.conv_kernel * itemsize
+
+    def nbytes(self, itemsize: int) -> int:
+        """Bytes of one layer's state for a model computing in ``itemsize``-byte floats."""
+        return self.recurrent_bytes + self.conv_bytes(itemsize)
+
+
+def _int(get: Callable[[str], object], name: str, default: int | None = None) -> int:
+    value = get(name)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"model config field {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
+    """The layers of a hybrid config that carry a recurrent state (empty for other models)."""
+    model_type = get("model_type")
+    if model_type not in STATE_MODEL_TYPES:
+        return ()
+    layers = _int(get, "num_hidden_layers")
+    types = get("layer_types")
+    if types is None and model_type == "bamba":
+        # Bamba names its attention layers; every other layer is Mamba-2.
+        attn = get("attn_layer_indices") or []
+        if not isinstance(attn, (list, tuple)):
+            raise ConfigError(f"attn_layer_indices must be a list, got {attn!r}")
+        types = ["full_attention" if i in attn else LINEAR for i in range(layers)]
+    if types is None and model_type in _DELTA_NET_TYPES:
+        interval = _int(get, "full_attention_interval", 4)
+        types = [LINEAR if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        raise ConfigError(
+            f"layer_types must name each of the {layers} layers, got {types!r}: fix config.json"
+        )
+    return tuple(i for i, t in enumerate(types) if t == LINEAR)
+
+
+def state_spec(get: Callable[[str], object]) -> StateSpec | None:
+    """A hybrid model's per-layer state, from its config; ``None`` for a model without one."""
+    layers = state_layers(get)
+    if not layers:
+        return None
+    if get("model_type") in _DELTA_NET_TYPES:
+        k_heads = _int(get, "linear_num_key_heads")
+        v_heads = _int(get, "linear_num_value_heads")
+        k_dim = _int(get, "linear_key_head_dim")
+        v_dim = _int(get, "linear_value_head_dim")
+        return StateSpec(
+            layers,
+            conv_channels=2 * k_heads * k_dim + v_heads * v_dim,
+            conv_kernel=_int(get, "linear_conv_kernel_dim"),
+            recurrent_shape=(v_heads, k_dim, v_dim),
+        )
+    hidden = _int(get, "hidden_size")
+    heads = _int(get, "mamba_n_heads")
+    expand = _int(get, "mamba_expand")
+    d_state = _int(get, "mamba_d_state")
+    head_dim = get("mamba_d_head")
+    if head_dim in (None, "auto"):
+        head_dim = expand * hidden // heads
+    if not isinstance(head_dim, int) or head_dim * heads != expand * hidden:
+        raise ConfigError(
+            f"mamba_d_head={head_dim!r} x mamba_n_heads={heads} must equal "
+            f"mamba_expand x hidden_size = {expand * hidden}: fix config.json"
+        )
+    return StateSpec(
+        layers,
+        conv_channels=expand * hidden + 2 * _int(get, "mamba_n_groups") * d_state,
+        conv_kernel=_int(get, "mamba_d_conv"),
+        recurrent_shape=(heads, head_dim, d_state),
+    )
+
+
+def slot_width(
+    spec: StateSpec, head_dim: int, kv_heads: int, block_size: int, itemsize: int
+) -> int:
+    """The per-head slot width at which one layer's part of a block holds ``spec``'s state.
+
+    A layer's part of a block is ``2 x block_size x kv_heads x width`` values
+    (K and V); never narrower than the attention layers' own ``head_dim``.
+    Larger blocks need less widening: a block size at which the attention
+    layers' part already holds a state wastes nothing.
+    """
+    per_width = 2 * block_size * kv_heads * itemsize
+    return max(head_dim, -(-spec.nbytes(itemsize) // per_width))
+
+
+def state_block_size(
+    spec: StateSpec, head_dim: int, kv_heads: int, itemsize: int, multiple: int = 16
+) -> int:
+    """The smallest block size (a multiple of ``multiple``) whose parts hold a state unwidened.
+
+    At that size a block's share of an attention layer and of a state layer
+    take the same bytes, so nothing is padded (vLLM sizes its attention
+    blocks for hybrid models the same way).
+    """
+    per_token = 2 * kv_heads * head_dim * itemsize
+    tokens = -(-spec.nbytes(itemsize) // per_token)
+    return max(multiple, -(-tokens // multiple) * multiple)

@@ -1,0 +1,327 @@
+"""Hybrids of attention and linear-attention / Mamba layers served from kvtier's blocks, exactly.
+
+Tiny random-weight Qwen3-Next (gated delta-net layers around one gated
+attention layer, a mixture of experts) and Bamba (Mamba-2 layers around one
+attention layer) generate through kvtier's batched engine. A state layer's
+recurrent state is checkpointed in every block, so single requests, batches
+with chunked prompts and preemption, a prefix hit, a host tier round trip
+and a request moved between engines all give the tokens of transformers'
+own greedy ``generate``; a long shared prefix is reused on the second
+request; and configs, storage dtypes and tiers that would round a state
+are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from tiny_model import (  # noqa: E402
+    TinyFamily,
+    check_chunked_batches_and_preemption,
+    check_moved_request,
+    check_prefix_hit_and_host_tier,
+    check_request_mix,
+    greedy_ignoring_eos,
+    request_mixes,
+    run_all,
+    seeded_prompt,
+    tiny_tokenizer,
+)
+
+from kvtier.engine import Engine, layout_for_model  # noqa: E402
+from kvtier.engine.config import EngineConfig  # noqa: E402
+from kvtier.engine.model import probe_model  # noqa: E402
+from kvtier.engine.state_spec import state_spec  # noqa: E402
+from kvtier.engine.support import check_supported  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.offload.host import HostStore  # noqa: E402
+from kvtier.offload.tier import Tier  # noqa: E402
+
+BS = 4
+
+
+def _qwen3_next(tok: Any, **fields: Any) -> Any:
+    return transformers.Qwen3NextConfig(
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "layer_types": ["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            "max_position_embeddings": 4096,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            **fields,
+        }
+    )
+
+
+def _qwen3_5(tok: Any, **fields: Any) -> Any:
+    """Qwen3.5's text model: the same layer mix, dense MLPs, separate input projections."""
+    config = _qwen3_next(tok).to_dict()
+    keep = {k: config[k] for k in config if k.startswith("linear_") or k in _COMMON}
+    return transformers.Qwen3_5TextConfig(**{**keep, "intermediate_size": 96, **fields})
+
+
+def _qwen3_5_moe(tok: Any, **fields: Any) -> Any:
+    config = _qwen3_next(tok).to_dict()
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    keep = {k: config[k] for k in config if k.startswith(("linear_", "shared_")) or k in moe}
+    keep.update({k: config[k] for k in _COMMON})
+    return transformers.Qwen3_5MoeTextConfig(**{**keep, **fields})
+
+
+_COMMON = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "layer_types",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)
+
+
+def _bamba(tok: Any, **fields: Any) -> Any:
+    return transformers.BambaConfig(
+        **{
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 16,
+            "attn_layer_indices": [1],
+            "max_position_embeddings": 4096,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": 0,
+            **fields,
+        }
+    )
+
+
+FAMILIES = {
+    "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
+    "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
+    "qwen3_5_moe_text": (transformers.Qwen3_5MoeForCausalLM, _qwen3_5_moe),
+    "bamba": (transformers.BambaForCausalLM, _bamba),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> TinyFamily:
+    model_class, config = FAMILIES[request.param]
+    tok = tiny_tokenizer()
+    return TinyFamily(model_class, config(tok), tok, f"tiny-{request.param}", BS, num_blocks=64)
+
+
+def test_single_requests_give_hf_generate_tokens(family: TinyFamily) -> None:
+    engine = family.engine()
+    for prompt in (seeded_prompt(1, 1), seeded_prompt(2, 2), seeded_prompt(3, 11)):
+        assert run_all(engine, [prompt], 10) == [family.hf_greedy(prompt, 10)]
+
+
+def test_batches_with_chunks_and_preemption(family: TinyFamily) -> None:
+    check_chunked_batches_and_preemption(family, max_batched_tokens=7)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**request_mixes())
+def test_any_mix_of_requests_gives_hf_generate_tokens(
+    family: TinyFamily, lengths: list[int], shared: int, num_blocks: int, budget: int
+) -> None:
+    """Shared prefixes, chunked prompts and preemption, in whatever mix hypothesis draws."""
+    check_request_mix(family, lengths, shared, num_blocks, budget)
+
+
+def test_a_prefix_hit_and_a_host_tier_round_trip(family: TinyFamily) -> None:
+    """Both continuations of the cached prefix resume from the sixth block's checkpoint."""
+    check_prefix_hit_and_host_tier(family)
+
+
+def test_a_long_shared_prefix_is_reused(family: TinyFamily) -> None:
+    """A second request sharing a 2,048-token prefix computes only what follows it."""
+    engine = family.engine(num_blocks=1100, max_num_batched_tokens=512)
+    prefix = seeded_prompt(50, 2048)
+    first, second = prefix + seeded_prompt(51, 9), prefix + seeded_prompt(52, 7)
+    run_all(engine, [first], 2)
+    outs = list(engine.generate(second, greedy_ignoring_eos(3)))
+    cached = outs[-1].metrics.cached_tokens
+    assert cached == 2048
+    assert [t for o in outs for t in o.token_ids] == family.hf_greedy(second, 3)
+
+
+@pytest.mark.parametrize("steps_before", [1, 5])
+def test_a_request_moved_to_another_engine_keeps_its_tokens(
+    family: TinyFamily, steps_before: int
+) -> None:
+    """Mid-prefill or mid-decode: the blocks carry the state checkpoints with the K/V."""
+    check_moved_request(family, steps_before)
+
+
+def test_the_state_size_read_from_the_config_is_what_the_model_keeps(
+    family: TinyFamily,
+) -> None:
+    """The bytes kvtier reserves per state equal the states transformers' own cache holds."""
+    config = family.reference.config
+    spec = state_spec(lambda name: getattr(config, name, None))
+    assert spec is not None
+    with torch.no_grad():
+        out = family.reference.generate(
+            torch.tensor([seeded_prompt(60, 9)]),
+            max_new_tokens=2,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+    held = [
+        (layer.conv_states[0], layer.recurrent_states[0])
+        for layer in out.past_key_values.layers
+        if getattr(layer, "conv_states", None) and layer.conv_states[0] is not None
+    ]
+    assert len(held) == len(spec.layers)
+    for conv, rec in held:
+        assert tuple(conv.shape[1:]) == (spec.conv_channels, spec.conv_kernel)
+        assert tuple(rec.shape[1:]) == spec.recurrent_shape
+        assert conv.nbytes + rec.nbytes == spec.nbytes(4)
+    # Each state layer's part of a block holds one state: blocks of 4 tokens widen the slots.
+    layout = layout_for_model(config, BS, torch.float32)
+    part = 2 * BS * layout.num_kv_heads * layout.head_dim * 4
+    assert part >= spec.nbytes(4) > part - 2 * BS * layout.num_kv_heads * 4
+
+
+def test_quantized_blocks_or_tiers_are_refused(family: TinyFamily) -> None:
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        family.engine(kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="raw codec"):
+        family.engine(tiers=[Tier(HostStore(), 64, codec="int8")])
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "needle"),
+    [
+        ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
+        ("qwen3_next", {"layer_types": ["mamba"] * 4}, "mamba"),
+        ("bamba", {"mamba_d_head": 7}, "mamba_d_head"),
+    ],
+)
+def test_configs_kvtier_cannot_serve_are_refused(
+    name: str, fields: dict[str, Any], needle: str
+) -> None:
+    config = {**FAMILIES[name][1](tiny_tokenizer()).to_dict(), **fields}
+    with pytest.raises(ConfigError, match=needle):
+        check_supported(config.get)
+
+
+def test_a_saved_directory_serves(family: TinyFamily, tmp_path: Path) -> None:
+    """What ``kvtier serve --model DIR`` does: probe, load and serve it over HTTP."""
+    from serving import serving
+
+    family.reference.save_pretrained(tmp_path)
+    family.tok.save_pretrained(tmp_path)
+    info = probe_model(tmp_path)
+    assert info.state is not None
+    config = family.reference.config
+    assert info.layout(16, "float32") == layout_for_model(config, 16, torch.float32)
+    engine = Engine.from_config(EngineConfig(model=str(tmp_path)))
+    with serving(engine, family.model_id) as srv:
+        reply = srv.client().completions.create(
+            model=family.model_id, prompt="hello", max_tokens=5, temperature=0.0
+        )
+    prompt = family.tok.encode("hello")
+    want = family.tok.decode(family.hf_greedy(prompt, 5), skip_special_tokens=True)
+    assert reply.choices[0].text == want
+
+
+def test_serve_refuses_rounded_states_before_loading_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the config is saved: the refusal comes before anything reads weights."""
+    from kvtier.cli import main
+
+    tok = tiny_tokenizer()
+    _qwen3_next(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    argv = ["serve", "--model", str(tmp_path), "--port", "0", "--pressure", "off"]
+    assert main([*argv, "--kv-cache-dtype", "int8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and "recurrent states" in err, err
+
+
+def test_a_kvtier_cache_under_generate_is_refused(family: TinyFamily) -> None:
+    import copy
+
+    from kvtier.engine import KvTierCache, attach
+    from kvtier.engine.paged import install
+    from kvtier.manager import KVCacheManager
+    from kvtier.storage import KVBlockStorage
+
+    model = copy.deepcopy(family.reference)
+    install(model)
+    attach(model)
+    layout = layout_for_model(model.config, BS, torch.float32)
+    storage, manager = KVBlockStorage(layout, 64), KVCacheManager(64, BS)
+    prompt = seeded_prompt(32, 9)
+    with (
+        KvTierCache(storage, manager, "r", prompt) as cache,
+        torch.no_grad(),
+        pytest.raises(ConfigError, match="recurrent state"),
+    ):
+        model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=2)
+
+
+def test_serve_picks_a_block_size_that_holds_a_state_unwidened(tmp_path: Path) -> None:
+    from kvtier.cli.serve_config import state_block_size
+    from kvtier.engine.state_spec import state_block_size as smallest
+
+    tok = tiny_tokenizer()
+    config = _qwen3_next(tok, linear_key_head_dim=16, linear_value_head_dim=16)
+    config.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    # 4 x 16 x 16 float32 + 128 channels x 4 columns float32 = 6,144 bytes; a token of an
+    # attention layer takes 2 x 2 heads x 16 x 4 = 256: 24 tokens, so blocks of 32.
+    chosen, line = state_block_size(EngineConfig(model=str(tmp_path)))
+    assert chosen.cache.block_size == 32 and line is not None and "32 tokens" in line
+    assert layout_for_model(config, 32, torch.float32).head_dim == 16  # nothing widened
+    assert layout_for_model(config, 16, torch.float32).head_dim == 24
+    # Qwen3-Next-80B-A3B's own sizes, in bfloat16: 2 MiB + 64 KiB per state.
+    real = transformers.Qwen3NextConfig()
+    spec = state_spec(lambda name: getattr(real, name, None))
+    assert spec is not None and spec.nbytes(2) == 2 * 2**20 + 64 * 2**10
+    assert smallest(spec, real.head_dim, real.num_key_value_heads, 2) == 1056
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4
+    ).save_pretrained(llama)
+    tok.save_pretrained(llama)
+    chosen, line = state_block_size(EngineConfig(model=str(llama)))
+    assert chosen.cache.block_size == 16 and line is None
