@@ -232,6 +232,13 @@ class _BlockStateLayer(BlockBackedLayer):
 
     def _run(self, x: torch.Tensor, state: _RunCache) -> torch.Tensor:
         out: torch.Tensor = super().forward(x, cache=state, attention_mask=None)
+        if state.conv is None or state.recurrent is None:
+            # Older transformers releases keep these states through another cache interface.
+            raise ConfigError(
+                f"{type(self).__name__} did not hand its states to the cache: kvtier serves "
+                "linear-attention layers with the transformers release in constraints.txt "
+                "(5.24); install that one"
+            )
         return out
 
     def _batched(self, hidden_states: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
@@ -244,7 +251,7 @@ class _BlockStateLayer(BlockBackedLayer):
             conv, rec = io.read(layer, plan.decode_read)
             state = _RunCache(conv, rec)
             y = self._run(x.index_select(0, plan.decode_at)[:, None, :], state)
-            assert state.conv is not None and state.recurrent is not None
+            assert state.conv is not None and state.recurrent is not None  # checked by _run
             io.write(layer, plan.decode_write, state.conv, state.recurrent)
             pieces.append((plan.decode_at, y[:, 0, :]))
         if plan.runs:
@@ -267,7 +274,7 @@ class _BlockStateLayer(BlockBackedLayer):
                 for i, (a, b, _) in enumerate(run.cuts):
                     seg = x[run.offset + a : run.offset + b][None]
                     outs.append(self._run(seg, state)[0])
-                    assert state.conv is not None and state.recurrent is not None
+                    assert state.conv is not None and state.recurrent is not None  # by _run
                     # A one-token run steps the states in place: keep this checkpoint apart.
                     keep = i == last
                     convs.append(state.conv if keep else state.conv.clone())
