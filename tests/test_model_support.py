@@ -78,7 +78,7 @@ UNSUPPORTED = [
         "attention sinks",
     ),
     ("MinistralConfig", {"sliding_window": 32}, "sliding-window attention"),
-    ("Llama4TextConfig", {"attention_chunk_size": 32, "head_dim": 16}, "chunked local attention"),
+    ("Llama4Config", {}, "chunked local attention in an image-text form"),
     ("Qwen3_5MoeConfig", {}, "linear attention"),
     ("FalconH1Config", {"head_dim": 16}, "Mamba"),
     ("JambaConfig", {}, "Mamba"),
@@ -109,6 +109,11 @@ def unsupported(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, A
         pytest.fail(f"transformers {transformers.__version__} has no {cls_name}")
     if cls_name == "GPT2Config":
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
+    elif cls_name == "Llama4Config":  # Llama 4's image-text form around its text model
+        config = transformers.Llama4Config(
+            text_config={**_SMALL, "head_dim": 16, "attention_chunk_size": 8},
+            vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2},
+        )
     elif cls_name == "Gemma3Config":  # a vision-language model around a Gemma 3 text model
         config = transformers.Gemma3Config(
             text_config={**_SMALL, "head_dim": 16, "sliding_window": 32},
@@ -301,6 +306,17 @@ SUPPORTED = [
             **_DELTA_NET,
             **_SHARED_EXPERTS,
             "layer_types": ["full_attention", "linear_attention", "linear_attention"],
+        },
+    ),
+    # Chunked local attention layers (chunk 8) and position-scaled NoPE layers, with experts.
+    (
+        "Llama4TextConfig",
+        {
+            "head_dim": 16,
+            "attention_chunk_size": 8,
+            "floor_scale": 4,
+            "num_local_experts": 4,
+            "intermediate_size_mlp": 128,
         },
     ),
     (

@@ -163,14 +163,24 @@ class _Layer(torch.nn.Module):
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None):
-    """Attention of queries at ``start ..`` over keys ``0 ..`` with the window as a loop."""
+def _dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int | None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of queries at ``start ..`` over keys ``0 ..`` with the window (or the
+    chunk of a chunked local layer) as a loop."""
     k = k.repeat_interleave(HEADS // KV_HEADS, dim=0)
     v = v.repeat_interleave(HEADS // KV_HEADS, dim=0)
     out = []
     for j in range(q.shape[1]):
         p = start + j
         lo = 0 if window is None else max(0, p - window + 1)
+        if chunk is not None:
+            lo = p // chunk * chunk
         w = torch.softmax(q[:, j : j + 1] @ k[:, lo : p + 1].transpose(1, 2) * DIM**-0.5, dim=-1)
         out.append(w @ v[:, lo : p + 1])
     return torch.cat(out, dim=1)  # [heads, n, dim]
@@ -180,11 +190,15 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=4),
     window=st.one_of(st.none(), st.integers(1, 20)),
+    chunk=st.one_of(st.none(), st.integers(1, 20)),
     seed=st.integers(0, 2**16),
 )
 def test_paged_attention_keeps_each_query_to_its_window(
-    seqs: list[tuple[int, int]], window: int | None, seed: int
+    seqs: list[tuple[int, int]], window: int | None, chunk: int | None, seed: int
 ) -> None:
+    """Sliding layers see their window; chunked local layers (Llama 4) their own chunk."""
+    if chunk is not None:
+        window = None  # a layer is one or the other
     g = torch.Generator().manual_seed(seed)
     layout = KVLayout(1, KV_HEADS, DIM, BS, "float32")
     storage = KVBlockStorage(layout, 64)
@@ -205,14 +219,17 @@ def test_paged_attention_keeps_each_query_to_its_window(
     k_new = torch.randn(1, KV_HEADS, total, DIM, generator=g)
     v_new = torch.randn(1, KV_HEADS, total, DIM, generator=g)
     meta = BatchMeta(storage, slices)
+    layer = _Layer()
+    if chunk is not None:
+        layer._kvtier_chunk = chunk
     out, _ = paged_attention(
-        _Layer(), q, k_new, v_new, None, scaling=DIM**-0.5, sliding_window=window, kvtier_batch=meta
+        layer, q, k_new, v_new, None, scaling=DIM**-0.5, sliding_window=window, kvtier_batch=meta
     )
     t = 0
     for (start, n), (k, v) in zip(seqs, past, strict=True):
         keys = torch.cat([k, k_new[0, :, t : t + n].transpose(0, 1)]).transpose(0, 1)
         values = torch.cat([v, v_new[0, :, t : t + n].transpose(0, 1)]).transpose(0, 1)
-        want = _dense(q[0, :, t : t + n], keys, values, start, window)
+        want = _dense(q[0, :, t : t + n], keys, values, start, window, chunk)
         torch.testing.assert_close(out[0, t : t + n].transpose(0, 1), want, rtol=1e-4, atol=1e-5)
         t += n
     if window is not None:
@@ -220,6 +237,10 @@ def test_paged_attention_keeps_each_query_to_its_window(
         rows, _ = meta.window(window)
         reach = cdiv(max(n for _, n in seqs) + window - 1, BS) + 1
         assert rows.numel() <= len(seqs) * reach * BS
+        assert rows.numel() <= meta.kv_rows.numel()
+    if chunk is not None:
+        # A chunked layer gathers from the block of its earliest query's chunk start on.
+        rows, _ = meta.chunked(chunk)
         assert rows.numel() <= meta.kv_rows.numel()
 
 

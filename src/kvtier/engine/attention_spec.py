@@ -13,7 +13,8 @@ with :func:`first_visible`; :meth:`AttentionSpec.kv_tokens` says how many
 tokens of K/V each layer can still read at a given context length, which
 is what bounds the KV a sliding layer needs. :func:`short_conv_layers`
 names the layers of a hybrid (LFM2) that are short convolutions rather
-than attention (:mod:`kvtier.engine.conv_layers`).
+than attention (:mod:`kvtier.engine.conv_layers`); :func:`chunked_layers`
+the chunked local layers of Llama 4 (:mod:`kvtier.engine.local_attention`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 #: A short causal convolution layer (LFM2), whose state is its last few tokens' features.
 CONV = "conv"
+#: A chunked local attention layer (Llama 4): a query sees its own chunk of positions.
+CHUNKED = "chunked_attention"
 
 #: Gemma 3's interleave when a config names neither ``layer_types`` nor a
 #: pattern: five sliding layers, then one full layer.
@@ -133,6 +136,29 @@ def short_conv_layers(get: Callable[[str], object]) -> tuple[int, ...]:
     if isinstance(layers, int) and layers > 0 and isinstance(attention, (list, tuple)):
         return tuple(i for i in range(layers) if i not in attention)
     return ()
+
+
+def chunked_layers(get: Callable[[str], object]) -> tuple[tuple[int, ...], int | None]:
+    """The chunked local layers of a config and their chunk size (``((), None)``: none).
+
+    ``layer_types`` names them; a Llama 4 config without it makes every layer
+    that uses rotary embeddings (``no_rope_layers`` 1) chunked when
+    ``attention_chunk_size`` is set, as transformers' ``Llama4TextConfig`` does.
+    """
+    chunk = get("attention_chunk_size")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        return (), None
+    types = get("layer_types")
+    if not isinstance(types, (list, tuple)):
+        rope = get("no_rope_layers")
+        layers = get("num_hidden_layers")
+        if not isinstance(rope, (list, tuple)):
+            interval = get("no_rope_layer_interval")
+            step = interval if isinstance(interval, int) and interval > 0 else 4
+            count = layers if isinstance(layers, int) else 0
+            rope = [int((i + 1) % step != 0) for i in range(count)]
+        types = [CHUNKED if r else "full_attention" for r in rope]
+    return tuple(i for i, t in enumerate(types) if t == CHUNKED), chunk
 
 
 def _layer_types(get: Callable[[str], object], layers: int, window: object) -> list[object]:

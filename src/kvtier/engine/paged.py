@@ -79,6 +79,7 @@ class BatchMeta:
         "NB",
         "Q",
         "_num_new",
+        "_positions",
         "_seqs",
         "_starts",
         "_windows",
@@ -100,6 +101,7 @@ class BatchMeta:
         self.decode_only = Q == 1
         self._seqs = seqs
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._positions: torch.Tensor | None = None
         new_slots: list[int] = []
         q_gather: list[int] = []
         q_scatter: list[int] = []
@@ -142,8 +144,33 @@ class BatchMeta:
             self._windows[window] = view
         return view
 
+    def chunked(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_rows, mask)`` for a chunked local layer: a query at ``p`` sees the keys from
+        the start of its chunk of ``chunk`` positions (``p // chunk * chunk``) up to ``p``."""
+        key = -chunk  # windows are positive: one cache for both kinds of view
+        view = self._windows.get(key)
+        if view is None:
+            bs = self.storage.layout.block_size
+            first = [s.start // chunk * chunk // bs for s in self._seqs]
+            last_query = max(s.start + s.num_new - 1 for s in self._seqs)
+            if last_query < chunk:
+                view = (self.kv_rows, self.mask)  # every query is in the first chunk
+            else:
+                rows, mask, _ = self._view(first, None, chunk)
+                view = (rows, mask)
+            self._windows[key] = view
+        return view
+
+    def positions(self) -> torch.Tensor:
+        """The position of each new token of the pass, in pass order."""
+        if self._positions is None:
+            self._positions = torch.cat(
+                [torch.arange(s.start, s.start + s.num_new) for s in self._seqs]
+            ).to(self.storage.device)
+        return self._positions
+
     def _view(
-        self, first: Sequence[int], window: int | None
+        self, first: Sequence[int], window: int | None, chunk: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Rows and mask when sequence ``i`` reads from its block ``first[i]`` on.
 
@@ -173,6 +200,9 @@ class BatchMeta:
         mask = kpos[:, None, :] <= qpos[:, :, None]
         if window is not None:
             mask &= kpos[:, None, :] > qpos[:, :, None] - window
+        if chunk is not None:
+            chunk_start = torch.div(qpos, chunk, rounding_mode="floor") * chunk
+            mask &= kpos[:, None, :] >= chunk_start[:, :, None]
         # Padded query rows see key 0 only (an all-masked row would be NaN); they are dropped.
         pad = torch.arange(self.Q, device=device)[None, :] >= self._num_new[:, None]
         mask = mask & ~pad[:, :, None]
@@ -233,13 +263,19 @@ def paged_attention(
         # The model passes each layer's window (None for full attention), as it does to
         # transformers' own attention functions.
         window = kwargs.get("sliding_window")
+        chunk = getattr(module, "_kvtier_chunk", None)
         if isinstance(window, int) and window > 0:
             rows, mask = meta.window(window)
+        elif chunk is not None:
+            rows, mask = meta.chunked(chunk)
         else:
             rows, mask = meta.kv_rows, meta.mask
         k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
         if narrow is not None:
             k, v = k[..., : narrow[0]], v[..., : narrow[1]]
+    temperature = getattr(module, "_kvtier_temperature", None)
+    if temperature is not None:
+        query = temperature.scale(query, meta.positions())
     B, Q = meta.B, meta.Q
     kv_heads, dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
     k = k.reshape(B, -1, kv_heads, dim).transpose(1, 2)
@@ -327,7 +363,9 @@ def install(model: Any) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _store_latents(model)
     from kvtier.engine.conv_layers import install_short_convs
+    from kvtier.engine.local_attention import install_local_attention
     from kvtier.engine.state_layers import install_state_layers
 
     install_short_convs(model)
     install_state_layers(model)
+    install_local_attention(model)

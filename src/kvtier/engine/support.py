@@ -1,19 +1,22 @@
 """Which model architectures kvtier serves exactly, decided from the config alone.
 
 kvtier stores one K and one V per KV head for every token of every layer.
-Its paged attention gives each query either its sequence's whole past (full
-causal attention) or the last ``sliding_window`` positions of it (a sliding
-layer, :mod:`kvtier.engine.attention_spec`). That is exactly what a plain
-decoder computes, Gemma 3's interleave of sliding and full layers included.
-Two more kinds of layer are served from the same per-token slots: DeepSeek
-V3's multi-head latent attention (MLA) from its compressed latent
-(:mod:`kvtier.engine.paged`), and LFM2's short causal convolutions from each
-token's convolution input (:mod:`kvtier.engine.conv_layers`). Nothing else
-is: a chunked local layer attends within its chunk, a linear-attention or
-Mamba layer carries a recurrent state that no window of tokens holds,
-attention sinks add a learned logit to every softmax, and soft-capping bends
-the attention logits. Served through kvtier's blocks, such a model would
-answer differently from the model itself, without a word.
+Its paged attention gives each query its sequence's whole past (full causal
+attention), the last ``sliding_window`` positions of it (a sliding layer,
+:mod:`kvtier.engine.attention_spec`) or its own chunk of it (Llama 4's
+chunked local layers, :mod:`kvtier.engine.local_attention`). That is
+exactly what a plain decoder computes, Gemma 3's interleave of sliding and
+full layers included. Two more kinds of layer are served from the same
+per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
+compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
+convolutions from each token's convolution input
+(:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba-2
+layers of Qwen3-Next, Qwen3.5 and Bamba from a checkpoint of their
+recurrent state in every block (:mod:`kvtier.engine.state_layers`). Nothing
+else is: other state-space families are unchecked, attention sinks add a
+learned logit to every softmax, and soft-capping bends the attention
+logits. Served through kvtier's blocks, such a model would answer
+differently from the model itself, without a word.
 
 :func:`check_supported` reads only config fields (a ``config.json``, a GGUF
 file's metadata or a loaded config object), so a server refuses a model it
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.engine.attention_spec import CONV, SLIDING, attention_spec
+from kvtier.engine.attention_spec import CHUNKED, CONV, SLIDING, attention_spec
 from kvtier.engine.state_spec import LINEAR, STATE_MODEL_TYPES, state_spec
 from kvtier.errors import ConfigError
 
@@ -44,9 +47,14 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "deepseek_v3",
         "lfm2",
         "lfm2_moe",
+        "llama4_text",
         *STATE_MODEL_TYPES,
     }
 )
+
+#: Of those, the families with chunked local attention layers (Llama 4), checked against the
+#: model's own answers (:mod:`kvtier.engine.local_attention`).
+CHUNKED_MODEL_TYPES = frozenset({"llama4_text"})
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
 #: K and V decompressed per head (see :func:`kvtier.engine.model.geometry`).
@@ -80,7 +88,10 @@ _KNOWN_UNSUPPORTED = {
         "gemma3n_text",
     ),
     "attention sinks (a learned logit in every softmax)": ("gpt_oss",),
-    "chunked local attention": ("llama4", "llama4_text"),
+    (
+        "chunked local attention in an image-text form (kvtier serves Llama 4's text model, "
+        "model_type llama4_text)"
+    ): ("llama4",),
     "linear attention (a hybrid model with a recurrent state per layer)": ("minimax",),
     (
         "linear attention with image-text rotary positions (Qwen3.5's image-text form; kvtier "
@@ -121,6 +132,7 @@ _ADVICE = (
     "kvtier serves decoder-only models of the families "
     f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}, built from full causal attention, "
     f"sliding-window attention ({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}), "
+    f"chunked local attention ({', '.join(sorted(CHUNKED_MODEL_TYPES))}), "
     f"multi-head latent attention ({', '.join(sorted(MLA_MODEL_TYPES))}), short causal "
     f"convolutions ({', '.join(sorted(SHORT_CONV_MODEL_TYPES))}) and linear-attention / Mamba "
     f"layers ({', '.join(sorted(STATE_MODEL_TYPES))}); serve this model with an "
@@ -183,6 +195,8 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
             allowed.add(CONV)
         if name in STATE_MODEL_TYPES:
             allowed.add(LINEAR)
+        if name in CHUNKED_MODEL_TYPES:
+            allowed.add(CHUNKED)
         odd = sorted({str(t) for t in layer_types if t not in allowed})
         if odd:
             kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
@@ -209,7 +223,7 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
             "(a Gemma 3 vision-language model; its text model alone is served)"
         )
     chunk = get("attention_chunk_size")
-    if _positive(chunk):
+    if _positive(chunk) and name not in CHUNKED_MODEL_TYPES:
         return f"chunked local attention (attention_chunk_size={chunk})"
     if _positive(get("kv_lora_rank")) and name not in MLA_MODEL_TYPES:
         return "multi-head latent attention (MLA: kv_lora_rank is set)"
