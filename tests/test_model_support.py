@@ -320,6 +320,18 @@ SUPPORTED = [
         },
     ),
     (
+        "GraniteMoeHybridConfig",
+        {
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+        },
+    ),
+    (
         "BambaConfig",
         {
             "attn_layer_indices": [2],

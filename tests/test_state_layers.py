@@ -130,11 +130,35 @@ def _bamba(tok: Any, **fields: Any) -> Any:
     )
 
 
+def _granite(tok: Any, **fields: Any) -> Any:
+    """Granite 4's hybrid: Bamba's Mamba-2 layers, experts and Granite's multipliers."""
+    config = _bamba(tok).to_dict()
+    keep = {k: config[k] for k in config if k.startswith("mamba_") or k in _COMMON}
+    keep.pop("layer_types", None)
+    return transformers.GraniteMoeHybridConfig(
+        **{
+            **keep,
+            "intermediate_size": 96,
+            "pad_token_id": 0,
+            "layer_types": ["linear_attention", "full_attention"] + ["linear_attention"] * 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 1.5,
+            **fields,
+        }
+    )
+
+
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
     "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
     "qwen3_5_moe_text": (transformers.Qwen3_5MoeForCausalLM, _qwen3_5_moe),
     "bamba": (transformers.BambaForCausalLM, _bamba),
+    "granitemoehybrid": (transformers.GraniteMoeHybridForCausalLM, _granite),
 }
 
 

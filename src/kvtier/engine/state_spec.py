@@ -27,7 +27,9 @@ from kvtier.errors import ConfigError
 LINEAR = "linear_attention"
 
 #: Families whose state layers kvtier keeps in its blocks, by ``model_type``.
-STATE_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba"})
+STATE_MODEL_TYPES = frozenset(
+    {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "granitemoehybrid"}
+)
 
 #: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba-2.
 _DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
@@ -83,6 +85,8 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
         if not isinstance(attn, (list, tuple)):
             raise ConfigError(f"attn_layer_indices must be a list, got {attn!r}")
         types = ["full_attention" if i in attn else LINEAR for i in range(layers)]
+    if types is None and model_type == "granitemoehybrid":
+        types = [LINEAR] * layers  # transformers' default for Granite 4 hybrids
     if types is None and model_type in _DELTA_NET_TYPES:
         interval = _int(get, "full_attention_interval", 4)
         types = [LINEAR if (i + 1) % interval else "full_attention" for i in range(layers)]
