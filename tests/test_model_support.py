@@ -332,6 +332,18 @@ SUPPORTED = [
         },
     ),
     (
+        "NemotronHConfig",
+        {
+            "head_dim": 16,
+            "layers_block_type": ["mamba", "attention", "mlp"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "ssm_state_size": 8,
+            "n_groups": 2,
+            "chunk_size": 8,
+        },
+    ),
+    (
         "BambaConfig",
         {
             "attn_layer_indices": [2],

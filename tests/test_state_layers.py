@@ -153,12 +153,41 @@ def _granite(tok: Any, **fields: Any) -> Any:
     )
 
 
+def _nemotron_h(tok: Any, **fields: Any) -> Any:
+    """Nemotron-H: Mamba-2, attention, expert and MLP layers, one kind per layer."""
+    return transformers.NemotronHConfig(
+        **{
+            **{
+                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
+            },
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "num_hidden_layers": 5,
+            "layers_block_type": ["mamba", "attention", "mamba", "moe", "mlp"],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "chunk_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+            "pad_token_id": 0,
+            **fields,
+        }
+    )
+
+
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
     "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
     "qwen3_5_moe_text": (transformers.Qwen3_5MoeForCausalLM, _qwen3_5_moe),
     "bamba": (transformers.BambaForCausalLM, _bamba),
     "granitemoehybrid": (transformers.GraniteMoeHybridForCausalLM, _granite),
+    "nemotron_h": (transformers.NemotronHForCausalLM, _nemotron_h),
 }
 
 
@@ -241,6 +270,25 @@ def test_the_state_size_read_from_the_config_is_what_the_model_keeps(
     layout = layout_for_model(config, BS, torch.float32)
     part = 2 * BS * layout.num_kv_heads * layout.head_dim * 4
     assert part >= spec.nbytes(4) > part - 2 * BS * layout.num_kv_heads * 4
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"layers_block_type": ["mamba", "attention", "mamba", "moe", "mlp"]},
+        {"hybrid_override_pattern": "M*ME-"},
+    ],
+)
+def test_nemotron_h_layer_plans_in_every_form_are_read(fields: dict[str, Any]) -> None:
+    saved = {**_nemotron_h(tiny_tokenizer()).to_dict(), **fields}
+    saved.pop("layer_types", None)
+    if "hybrid_override_pattern" in fields:
+        saved.pop("layers_block_type", None)
+    spec = state_spec(saved.get)
+    assert spec is not None and spec.layers == (0, 2)
+    check_supported(saved.get)
+    with pytest.raises(ConfigError, match="float32"):
+        state_spec({**saved, "mamba_ssm_cache_dtype": "bfloat16"}.get)
 
 
 def test_quantized_blocks_or_tiers_are_refused(family: TinyFamily) -> None:

@@ -195,6 +195,10 @@ def probe_model(
         if isinstance(cfg.get("text_config"), dict):  # vision-language models nest the decoder
             check_wrapper(cfg.get("model_type"), source=f"--model {path}")
             cfg = {**cfg, **cfg["text_config"]}
+        plan = cfg.get("layers_block_type")
+        if "num_hidden_layers" not in cfg and isinstance(plan, list):
+            # Nemotron-H saves its layer count only as the length of its layer plan.
+            cfg = {**cfg, "num_hidden_layers": len(plan)}
         get = cfg.get
         chat = _hf_chat_template(path)
     check_supported(get, source=f"--model {path}")

@@ -28,7 +28,7 @@ LINEAR = "linear_attention"
 
 #: Families whose state layers kvtier keeps in its blocks, by ``model_type``.
 STATE_MODEL_TYPES = frozenset(
-    {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "granitemoehybrid"}
+    {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "granitemoehybrid", "nemotron_h"}
 )
 
 #: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba-2.
@@ -77,8 +77,13 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
     model_type = get("model_type")
     if model_type not in STATE_MODEL_TYPES:
         return ()
-    layers = _int(get, "num_hidden_layers")
     types = get("layer_types")
+    if types is None and model_type == "nemotron_h":
+        types = _nemotron_types(get)
+    if get("num_hidden_layers") is None and isinstance(types, (list, tuple)):
+        layers = len(types)  # Nemotron-H saves no count beside its layer plan
+    else:
+        layers = _int(get, "num_hidden_layers")
     if types is None and model_type == "bamba":
         # Bamba names its attention layers; every other layer is Mamba-2.
         attn = get("attn_layer_indices") or []
@@ -97,6 +102,27 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(types) if t == LINEAR)
 
 
+#: Nemotron-H's older layer names and pattern letters, as transformers maps them.
+_NEMOTRON_NAMES = {
+    "mamba": LINEAR,
+    "attention": "full_attention",
+    "M": LINEAR,
+    "*": "full_attention",
+}
+
+
+def _nemotron_types(get: Callable[[str], object]) -> list[object] | None:
+    """Nemotron-H's layer kinds from ``layers_block_type`` or ``hybrid_override_pattern``."""
+    types = get("layers_block_type")
+    if isinstance(types, (list, tuple)):
+        return [_NEMOTRON_NAMES.get(str(t), t) for t in types]
+    pattern = get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        # M: Mamba-2, *: attention, -: MLP, E: experts (the last two cache nothing).
+        return [_NEMOTRON_NAMES.get(c, "mlp") for c in pattern]
+    return None
+
+
 def state_spec(get: Callable[[str], object]) -> StateSpec | None:
     """A hybrid model's per-layer state, from its config; ``None`` for a model without one."""
     layers = state_layers(get)
@@ -113,23 +139,37 @@ def state_spec(get: Callable[[str], object]) -> StateSpec | None:
             conv_kernel=_int(get, "linear_conv_kernel_dim"),
             recurrent_shape=(v_heads, k_dim, v_dim),
         )
+    if get("model_type") == "nemotron_h":
+        heads, head_dim = _int(get, "mamba_num_heads"), _int(get, "mamba_head_dim")
+        d_state = _int(get, "ssm_state_size")
+        cache_dtype = get("mamba_ssm_cache_dtype")
+        if cache_dtype not in (None, "float32"):
+            raise ConfigError(
+                f"mamba_ssm_cache_dtype={cache_dtype!r}: kvtier keeps Mamba states in float32, "
+                "as transformers does by default; set it to float32"
+            )
+        return StateSpec(
+            layers,
+            conv_channels=heads * head_dim + 2 * _int(get, "n_groups") * d_state,
+            conv_kernel=_int(get, "conv_kernel"),
+            recurrent_shape=(heads, head_dim, d_state),
+        )
     hidden = _int(get, "hidden_size")
     heads = _int(get, "mamba_n_heads")
     expand = _int(get, "mamba_expand")
     d_state = _int(get, "mamba_d_state")
-    head_dim = get("mamba_d_head")
-    if head_dim in (None, "auto"):
-        head_dim = expand * hidden // heads
-    if not isinstance(head_dim, int) or head_dim * heads != expand * hidden:
+    given = get("mamba_d_head")
+    d_head = expand * hidden // heads if given in (None, "auto") else given
+    if not isinstance(d_head, int) or d_head * heads != expand * hidden:
         raise ConfigError(
-            f"mamba_d_head={head_dim!r} x mamba_n_heads={heads} must equal "
+            f"mamba_d_head={d_head!r} x mamba_n_heads={heads} must equal "
             f"mamba_expand x hidden_size = {expand * hidden}: fix config.json"
         )
     return StateSpec(
         layers,
         conv_channels=expand * hidden + 2 * _int(get, "mamba_n_groups") * d_state,
         conv_kernel=_int(get, "mamba_d_conv"),
-        recurrent_shape=(heads, head_dim, d_state),
+        recurrent_shape=(heads, d_head, d_state),
     )
 
 

@@ -11,7 +11,7 @@ per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
 compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
 (:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba-2
-layers of Qwen3-Next, Qwen3.5, Bamba and Granite 4 from a checkpoint of their
+layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4 and Nemotron-H from a checkpoint of their
 recurrent state in every block (:mod:`kvtier.engine.state_layers`). Nothing
 else is: other state-space families are unchecked, attention sinks add a
 learned logit to every softmax, and soft-capping bends the attention
@@ -105,7 +105,6 @@ _KNOWN_UNSUPPORTED = {
         "falcon_mamba",
         "zamba",
         "zamba2",
-        "nemotron_h",
         "plamo2",
     ),
     "multi-head latent attention (MLA)": (
@@ -194,6 +193,8 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
             allowed.add(CONV)
         if name in STATE_MODEL_TYPES:
             allowed.add(LINEAR)
+        if name == "nemotron_h":
+            allowed |= {"moe", "mlp"}  # feed-forward-only layers: nothing cached
         if name in CHUNKED_MODEL_TYPES:
             allowed.add(CHUNKED)
         odd = sorted({str(t) for t in layer_types if t not in allowed})
