@@ -81,7 +81,6 @@ UNSUPPORTED = [
     ("Llama4Config", {}, "chunked local attention in an image-text form"),
     ("Qwen3_5MoeConfig", {}, "linear attention"),
     ("FalconH1Config", {"head_dim": 16}, "Mamba"),
-    ("JambaConfig", {}, "Mamba"),
     (
         "DeepseekV2Config",
         {
@@ -341,6 +340,16 @@ SUPPORTED = [
             "ssm_state_size": 8,
             "n_groups": 2,
             "chunk_size": 8,
+        },
+    ),
+    (
+        "JambaConfig",
+        {
+            "attn_layer_period": 3,
+            "attn_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 8,
         },
     ),
     (

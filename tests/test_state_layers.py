@@ -181,6 +181,29 @@ def _nemotron_h(tok: Any, **fields: Any) -> Any:
     )
 
 
+def _jamba(tok: Any, **fields: Any) -> Any:
+    """Jamba: Mamba-1 layers (a state per channel, no heads) around attention, experts."""
+    return transformers.JambaConfig(
+        **{
+            **{
+                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
+            },
+            "intermediate_size": 96,
+            "attn_layer_period": 4,
+            "attn_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "pad_token_id": 0,
+            **fields,
+        }
+    )
+
+
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
     "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
@@ -188,6 +211,7 @@ FAMILIES = {
     "bamba": (transformers.BambaForCausalLM, _bamba),
     "granitemoehybrid": (transformers.GraniteMoeHybridForCausalLM, _granite),
     "nemotron_h": (transformers.NemotronHForCausalLM, _nemotron_h),
+    "jamba": (transformers.JambaForCausalLM, _jamba),
 }
 
 

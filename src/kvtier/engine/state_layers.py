@@ -1,8 +1,8 @@
 """Linear-attention and Mamba layers served from state checkpoints in kvtier's blocks.
 
-A hybrid model's state layer (Qwen3-Next's gated delta-net, Bamba's
-Mamba-2 mixer) keeps, per sequence, a convolution window and a recurrent
-matrix instead of per-token K/V (:mod:`kvtier.engine.state_spec`). kvtier
+A hybrid model's state layer (a gated delta-net, a Mamba-2 or Mamba-1
+mixer) keeps, per sequence, a convolution window and a recurrent state
+instead of per-token K/V (:mod:`kvtier.engine.state_spec`). kvtier
 keeps that state in the blocks: a state layer's part of a block holds the
 layer's state after the block's last token so far, its raw bytes laid over
 the part's K and V values. Hence the invariant every pass relies on: the

@@ -1,12 +1,14 @@
 """The recurrent state of a hybrid model's linear-attention and Mamba layers, from its config.
 
-Qwen3-Next's and Qwen3.5's gated delta-net layers and Bamba's Mamba-2 layers keep no K/V
-per token. Each carries, per sequence, a fixed-size state: the last
+Qwen3-Next's and Qwen3.5's gated delta-net layers, the Mamba-2 layers of
+Bamba, Granite 4 hybrids and Nemotron-H, and Jamba's Mamba-1 layers keep no
+K/V per token. Each carries, per sequence, a fixed-size state: the last
 ``kernel`` inputs of a causal depthwise convolution (``channels x kernel``,
-in the model's dtype) and a recurrent matrix per head (float32, as
-transformers keeps it). The output at position ``p`` depends on the whole
-prefix only through that state, so resuming a sequence at ``p`` needs the
-state exactly as it was after token ``p - 1``.
+in the model's dtype) and a recurrent state (float32, as transformers keeps
+it: a matrix per head, or Mamba-1's ``d_state`` values per channel). The
+output at position ``p`` depends on the whole prefix only through that
+state, so resuming a sequence at ``p`` needs the state exactly as it was
+after token ``p - 1``.
 
 kvtier keeps such a state in its blocks (:mod:`kvtier.engine.state_layers`):
 a state layer's part of a block holds the layer's state after the block's
@@ -18,6 +20,7 @@ block's slots need so that one layer's part of a block holds a state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,10 +31,18 @@ LINEAR = "linear_attention"
 
 #: Families whose state layers kvtier keeps in its blocks, by ``model_type``.
 STATE_MODEL_TYPES = frozenset(
-    {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "granitemoehybrid", "nemotron_h"}
+    {
+        "qwen3_next",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "bamba",
+        "granitemoehybrid",
+        "nemotron_h",
+        "jamba",
+    }
 )
 
-#: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba-2.
+#: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba.
 _DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
 #: The recurrent state is float32 whatever the model's dtype (transformers keeps it so).
@@ -47,13 +58,13 @@ class StateSpec:
     #: The convolution's input channels and the columns of it kept (transformers keeps ``kernel``).
     conv_channels: int
     conv_kernel: int
-    #: The recurrent state's shape per sequence (heads and the per-head matrix).
-    recurrent_shape: tuple[int, int, int]
+    #: The recurrent state's shape per sequence (heads and the per-head matrix, or Mamba-1's
+    #: channels x state size).
+    recurrent_shape: tuple[int, ...]
 
     @property
     def recurrent_bytes(self) -> int:
-        h, a, b = self.recurrent_shape
-        return h * a * b * RECURRENT_ITEMSIZE
+        return math.prod(self.recurrent_shape) * RECURRENT_ITEMSIZE
 
     def conv_bytes(self, itemsize: int) -> int:
         return self.conv_channels * self.conv_kernel * itemsize
@@ -90,6 +101,12 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
         if not isinstance(attn, (list, tuple)):
             raise ConfigError(f"attn_layer_indices must be a list, got {attn!r}")
         types = ["full_attention" if i in attn else LINEAR for i in range(layers)]
+    if types is None and model_type == "jamba":
+        # One attention layer in every attn_layer_period, at attn_layer_offset; Mamba-1 elsewhere.
+        period = _int(get, "attn_layer_period", 8)
+        offset = get("attn_layer_offset")
+        at = offset if isinstance(offset, int) else 4
+        types = ["full_attention" if i % period == at else LINEAR for i in range(layers)]
     if types is None and model_type == "granitemoehybrid":
         types = [LINEAR] * layers  # transformers' default for Granite 4 hybrids
     if types is None and model_type in _DELTA_NET_TYPES:
@@ -153,6 +170,15 @@ def state_spec(get: Callable[[str], object]) -> StateSpec | None:
             conv_channels=heads * head_dim + 2 * _int(get, "n_groups") * d_state,
             conv_kernel=_int(get, "conv_kernel"),
             recurrent_shape=(heads, head_dim, d_state),
+        )
+    if get("model_type") == "jamba":
+        # Mamba-1: a state of d_state values for each of expand x hidden channels.
+        channels = _int(get, "mamba_expand") * _int(get, "hidden_size")
+        return StateSpec(
+            layers,
+            conv_channels=channels,
+            conv_kernel=_int(get, "mamba_d_conv"),
+            recurrent_shape=(channels, _int(get, "mamba_d_state")),
         )
     hidden = _int(get, "hidden_size")
     heads = _int(get, "mamba_n_heads")

@@ -11,7 +11,7 @@ per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
 compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
 (:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba-2
-layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4 and Nemotron-H from a checkpoint of their
+layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4, Nemotron-H and Jamba from a checkpoint of their
 recurrent state in every block (:mod:`kvtier.engine.state_layers`). Nothing
 else is: other state-space families are unchecked, attention sinks add a
 learned logit to every softmax, and soft-capping bends the attention
@@ -100,7 +100,6 @@ _KNOWN_UNSUPPORTED = {
     "Mamba / state-space layers": (
         "mamba",
         "mamba2",
-        "jamba",
         "falcon_h1",
         "falcon_mamba",
         "zamba",
