@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,23 @@ def test_replay_sizes_the_cache_from_memory(capsys: pytest.CaptureFixture[str]) 
     assert hits[caps["16GiB int8"]] >= hits[caps["16GiB auto"]]
     assert main(["replay", "--limit", "50", "--no-progress", "--kv-cache-memory", "1GiB"]) == 0
     assert "KV memory 1GiB auto:" in capsys.readouterr().out
+
+
+def test_a_hybrid_models_blocks_include_its_state_checkpoints(tmp_path: Path) -> None:
+    """A linear-attention hybrid's blocks carry one state per linear layer: the replay's
+    capacity counts those bytes, and rounded dtypes, which kvtier refuses to serve such a
+    model with, are refused here too."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3NextConfig()  # Qwen3-Next-80B-A3B's own sizes
+    config.save_pretrained(tmp_path)
+    (cap,) = memory_capacities([128 * 2**30], ["auto"], str(tmp_path), 1056)
+    info = probe_model(str(tmp_path))
+    assert info.state is not None
+    block = info.layout(1056, "float32").bytes_per_block
+    # float32: a linear layer's share of a 1,056-token block (2 x 1,056 x 2 heads x 256 x 4
+    # bytes = 4.1 MiB) holds its 2.1 MiB state as it is; at 512 tokens (2 MiB) it widens.
+    assert block == 48 * 2 * 1056 * 2 * 256 * 4
+    assert info.layout(512, "float32").bytes_per_block > 48 * 2 * 512 * 2 * 256 * 4
+    assert int(cap.value) == 128 * 2**30 // block
+    with pytest.raises(ConfigError, match="states"):
+        memory_capacities([2**30], ["auto", "int8"], str(tmp_path), 1056)

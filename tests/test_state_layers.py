@@ -246,6 +246,21 @@ def test_a_prefix_hit_and_a_host_tier_round_trip(family: TinyFamily) -> None:
     check_prefix_hit_and_host_tier(family)
 
 
+def test_choices_forked_mid_block_keep_their_states(family: TinyFamily) -> None:
+    """``n`` choices share the prompt's blocks and copy its partial last block, checkpoint
+    included, on write: every greedy choice gives the reference's tokens."""
+    from kvtier.engine.sampling import SamplingParams
+
+    engine = family.engine()
+    for length in (9, 12):
+        prompt = seeded_prompt(length, length)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=3)
+        got: dict[int, list[int]] = {}
+        for out in engine.generate(prompt, params):
+            got.setdefault(out.index, []).extend(out.token_ids)
+        assert got == {i: family.hf_greedy(prompt, 6) for i in range(3)}
+
+
 def test_a_long_shared_prefix_is_reused(family: TinyFamily) -> None:
     """A second request sharing a 2,048-token prefix computes only what follows it."""
     engine = family.engine(num_blocks=1100, max_num_batched_tokens=512)

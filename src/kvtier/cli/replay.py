@@ -255,6 +255,12 @@ def memory_capacities(
     info = probe_model(model)
     base = info.layout(block_size, "float32")
     out: list[Capacity] = []
+    rounded = [d for d in dtypes if d not in ("auto", base.dtype)]
+    if info.state is not None and rounded:
+        raise ConfigError(
+            f"--kv-cache-dtype {' '.join(rounded)}: {info.model_id} keeps its linear-attention "
+            "states in the KV blocks exactly, so kvtier serves it only at --kv-cache-dtype auto"
+        )
     for size in sizes:
         for dtype in dtypes:
             layout = cache_layout(base, dtype)
