@@ -131,7 +131,7 @@ def test_lfm2_configs_kvtier_cannot_serve_are_refused(
         check_supported(config.get)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "falcon_h1", "zamba2", "falcon_mamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "zamba2", "falcon_mamba", "plamo2"])
 def test_recurrent_hybrids_stay_refused(model_type: str) -> None:
     fields = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 4}
     with pytest.raises(ConfigError, match=r"linear attention|Mamba"):

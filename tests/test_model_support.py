@@ -80,7 +80,6 @@ UNSUPPORTED = [
     ("MinistralConfig", {"sliding_window": 32}, "sliding-window attention"),
     ("Llama4Config", {}, "chunked local attention in an image-text form"),
     ("Qwen3_5MoeConfig", {}, "linear attention"),
-    ("FalconH1Config", {"head_dim": 16}, "Mamba"),
     (
         "DeepseekV2Config",
         {
@@ -159,7 +158,7 @@ def test_serve_refuses_with_one_line(
 
 @pytest.mark.parametrize(
     "cls_name",
-    ["Gemma3TextConfig", "FalconH1Config", "DeepseekV2Config", "Gemma2Config"],
+    ["Gemma3TextConfig", "DeepseekV2Config", "Gemma2Config"],
 )
 def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
     """A model already in memory (no files to probe) is refused when the engine is built."""
@@ -350,6 +349,16 @@ SUPPORTED = [
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "mamba_d_state": 8,
+        },
+    ),
+    (
+        "FalconH1Config",
+        {
+            "head_dim": 16,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_state": 8,
+            "mamba_chunk_size": 8,
         },
     ),
     (

@@ -7,8 +7,10 @@ recurrent state is checkpointed in every block, so single requests, batches
 with chunked prompts and preemption, a prefix hit, a host tier round trip
 and a request moved between engines all give the tokens of transformers'
 own greedy ``generate``; a long shared prefix is reused on the second
-request; and configs, storage dtypes and tiers that would round a state
-are refused.
+request; every block's checkpoint equals the state transformers' own cache
+holds at the block's end (tokens alone can miss a state error: a tiny
+random Mamba barely uses its state); and configs, storage dtypes and tiers
+that would round a state are refused.
 """
 
 from __future__ import annotations
@@ -204,6 +206,33 @@ def _jamba(tok: Any, **fields: Any) -> Any:
     )
 
 
+def _falcon_h1(tok: Any, **fields: Any) -> Any:
+    """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, with its
+    multipliers; a layer's share of a block keeps K/V and the state in separate columns."""
+    return transformers.FalconH1Config(
+        **{
+            **{
+                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
+            },
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_chunk_size": 16,
+            "attention_in_multiplier": 0.8,
+            "ssm_out_multiplier": 1.3,
+            "attention_out_multiplier": 0.7,
+            "pad_token_id": 0,
+            **fields,
+        }
+    )
+
+
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
     "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
@@ -212,6 +241,7 @@ FAMILIES = {
     "granitemoehybrid": (transformers.GraniteMoeHybridForCausalLM, _granite),
     "nemotron_h": (transformers.NemotronHForCausalLM, _nemotron_h),
     "jamba": (transformers.JambaForCausalLM, _jamba),
+    "falcon_h1": (transformers.FalconH1ForCausalLM, _falcon_h1),
 }
 
 
@@ -305,9 +335,11 @@ def test_the_state_size_read_from_the_config_is_what_the_model_keeps(
         assert tuple(conv.shape[1:]) == (spec.conv_channels, spec.conv_kernel)
         assert tuple(rec.shape[1:]) == spec.recurrent_shape
         assert conv.nbytes + rec.nbytes == spec.nbytes(4)
-    # Each state layer's part of a block holds one state: blocks of 4 tokens widen the slots.
+    # Each state layer's part of a block holds one state (after the layer's own K/V when it
+    # has attention too): blocks of 4 tokens widen the slots just enough.
     layout = layout_for_model(config, BS, torch.float32)
-    part = 2 * BS * layout.num_kv_heads * layout.head_dim * 4
+    columns = layout.head_dim - (config.head_dim if spec.beside_attention else 0)
+    part = 2 * BS * layout.num_kv_heads * columns * 4
     assert part >= spec.nbytes(4) > part - 2 * BS * layout.num_kv_heads * 4
 
 
@@ -436,3 +468,48 @@ def test_serve_picks_a_block_size_that_holds_a_state_unwidened(tmp_path: Path) -
     tok.save_pretrained(llama)
     chosen, line = state_block_size(EngineConfig(model=str(llama)))
     assert chosen.cache.block_size == 16 and line is None
+
+
+def test_every_block_holds_the_models_own_state_at_its_end(family: TinyFamily) -> None:
+    """The checkpoint in each block equals the state transformers' own cache holds after
+    the block's last token (tokens alone can miss a state error in a tiny random model)."""
+    import copy
+
+    from kvtier.engine.paged import BatchMeta, SeqSlice, install
+    from kvtier.engine.state_layers import _StateIO
+    from kvtier.storage import KVBlockStorage
+
+    model = copy.deepcopy(family.reference)
+    install(model)
+    config = model.config
+    spec = state_spec(lambda name: getattr(config, name, None))
+    assert spec is not None
+    storage = KVBlockStorage(layout_for_model(config, BS, torch.float32), 8)
+    prompt = seeded_prompt(70, 3 * BS + 2)
+    # Two passes: the second goes on from the state the first left mid-block.
+    for start, end in ((0, 2 * BS + 2), (2 * BS + 2, len(prompt))):
+        meta = BatchMeta(storage, [SeqSlice(start, end - start, list(range(end)))])
+        with torch.no_grad():
+            model(
+                input_ids=torch.tensor([prompt[start:end]]),
+                position_ids=torch.arange(start, end)[None],
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool),
+                use_cache=False,
+                logits_to_keep=1,
+                kvtier_batch=meta,
+            )
+    first = next(iter(m for m in model.modules() if hasattr(m, "_kvtier_plan")))
+    io = _StateIO(storage, spec, torch.float32, first._kvtier_plan.first_column)
+    for block in range(4):
+        end = min((block + 1) * BS, len(prompt))
+        with torch.no_grad():
+            out = family.reference(input_ids=torch.tensor([prompt[:end]]), use_cache=True)
+        held = [
+            layer
+            for layer in out.past_key_values.layers
+            if getattr(layer, "conv_states", None) and layer.conv_states[0] is not None
+        ]
+        for layer_idx, layer in zip(spec.layers, held, strict=True):
+            conv, rec = io.read(layer_idx, io.rows([block]))
+            torch.testing.assert_close(conv[0], layer.conv_states[0][0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(rec[0], layer.recurrent_states[0][0], rtol=1e-4, atol=1e-5)

@@ -255,7 +255,13 @@ def paged_attention(
         width = storage.layout.head_dim
         dims = (key.shape[-1], value.shape[-1])
         narrow = dims if min(dims) < width else None
-        if narrow is not None:
+        if narrow is not None and getattr(module, "_kvtier_beside_state", False):
+            # The layer's recurrent state sits in the columns after its K/V (Falcon-H1).
+            old_k, old_v = storage.read_rows(layer, meta.new_rows)
+            old_k[..., : narrow[0]] = new_k
+            old_v[..., : narrow[1]] = new_v
+            new_k, new_v = old_k, old_v
+        elif narrow is not None:
             # Slots widened for a model's convolution layers (LFM2): zero-pad, cut on read.
             new_k = F.pad(new_k, (0, width - narrow[0]))
             new_v = F.pad(new_v, (0, width - narrow[1]))

@@ -26,9 +26,12 @@ In a batched pass each state layer:
 
 The model's module does all the arithmetic, through a small object with
 the methods of transformers' cache that such a layer calls
-(:class:`_RunCache`). Every state is kept exactly (its bytes), so the
-storage must hold blocks in the model's own dtype, and a tier must not
-quantize them; :func:`check_exact_blocks` says so before a server starts.
+(:class:`_RunCache`). A layer that also has attention (Falcon-H1) keeps its
+state in the slot columns after its K/V, and each side writes only its own
+columns. A layer whose multi-token form always starts from a zero state
+(Jamba's Mamba-1) goes on from a state one token at a time. Every state is
+kept exactly (its bytes), so the storage must hold blocks in the model's own
+dtype, and a tier must not quantize them; :func:`check_exact_blocks` says so before a server starts.
 """
 
 from __future__ import annotations
@@ -95,13 +98,18 @@ class _RunCache:
 class _StateIO:
     """Reads and writes one state per block, as raw bytes over a layer's K and V of the block."""
 
-    def __init__(self, storage: KVBlockStorage, spec: StateSpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self, storage: KVBlockStorage, spec: StateSpec, dtype: torch.dtype, first_column: int = 0
+    ) -> None:
         lay = storage.layout
         self.storage = storage
         self.spec = spec
         self.dtype = dtype
         self.block_size = lay.block_size
-        self.half = lay.block_size * lay.num_kv_heads * lay.head_dim  # values of K (or V)
+        #: Where the state starts in each slot: after the layer's own K/V when it has attention.
+        self.first_column = first_column
+        self.width = lay.head_dim - first_column
+        self.half = lay.block_size * lay.num_kv_heads * self.width  # values of K (or V)
         self.part_bytes = 2 * self.half * storage.dtype.itemsize
         self.rec_bytes = spec.recurrent_bytes
         self.conv_bytes = spec.conv_bytes(dtype.itemsize)
@@ -121,6 +129,8 @@ class _StateIO:
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv [n, C, K], recurrent [n, H, a, b])`` kept in the blocks of ``rows``."""
         k, v = self.storage.read_rows(layer, rows)
+        if self.first_column:
+            k, v = k[..., self.first_column :], v[..., self.first_column :]
         n = rows.shape[0] // self.block_size
         raw = torch.cat((k.reshape(n, -1), v.reshape(n, -1)), dim=1).view(torch.uint8)
         rb, cb = self.rec_bytes, self.conv_bytes
@@ -140,8 +150,14 @@ class _StateIO:
         )
         raw = F.pad(raw, (0, self.part_bytes - raw.shape[1])).view(self.storage.dtype)
         lay = self.storage.layout
-        shape = (n * self.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (n * self.block_size, lay.num_kv_heads, self.width)
         k, v = raw[:, : self.half].reshape(shape), raw[:, self.half :].reshape(shape)
+        if self.first_column:
+            # The layer's attention keeps its K/V in the columns before: keep them.
+            k_all, v_all = self.storage.read_rows(layer, rows)
+            k_all[..., self.first_column :] = k
+            v_all[..., self.first_column :] = v
+            k, v = k_all, v_all
         self.storage.write_rows(layer, rows, k, v)
 
 
@@ -155,8 +171,9 @@ class _Run:
     #: The block holding the state it starts from (``None``: it starts at position 0).
     source: int | None
     #: ``(start, end, block)`` runs: the tokens ``[start, end)`` of its new ones, and
-    #: the block whose checkpoint their state becomes.
-    cuts: list[tuple[int, int, int]]
+    #: the block whose checkpoint their state becomes (``None``: a step inside a block,
+    #: whose state only feeds the next step).
+    cuts: list[tuple[int, int, int | None]]
 
 
 class _PassPlan:
@@ -165,6 +182,7 @@ class _PassPlan:
     def __init__(self, meta: BatchMeta, io: _StateIO) -> None:
         self.meta = meta
         bs = io.block_size
+        stepwise = not io.spec.resumable_runs
         decode_at: list[int] = []
         decode_from: list[int] = []
         decode_to: list[int] = []
@@ -180,10 +198,17 @@ class _PassPlan:
                 decode_from.append(block(s.start - 1))
                 decode_to.append(block(s.start))
             else:
-                cuts = []
+                cuts: list[tuple[int, int, int | None]] = []
                 p, end = s.start, s.start + s.num_new
                 while p < end:
                     stop = min(end, (p // bs + 1) * bs)
+                    if stepwise and p > 0:
+                        # The layer's multi-token form starts from a zero state: go on from a
+                        # state one token at a time (its recurrent form).
+                        cuts.extend(
+                            (q - s.start, q + 1 - s.start, None) for q in range(p, stop - 1)
+                        )
+                        p = stop - 1
                     cuts.append((p - s.start, stop - s.start, block(stop - 1)))
                     p = stop
                 source = block(s.start - 1) if s.start > 0 else None
@@ -195,22 +220,32 @@ class _PassPlan:
         self.decode_write = io.rows(decode_to) if decode_at else None
         self.sources = {r.source for r in self.runs if r.source is not None}
         self.run_read = io.rows(sorted(self.sources)) if self.sources else None
-        blocks = [blk for r in self.runs for _, _, blk in r.cuts]
+        blocks = [blk for r in self.runs for _, _, blk in r.cuts if blk is not None]
         self.run_write = io.rows(blocks) if blocks else None
 
 
 class _Plan:
     """Shared by every state layer of one model: the state I/O and the current pass's plan."""
 
-    def __init__(self, spec: StateSpec) -> None:
+    def __init__(self, spec: StateSpec, first_column: int = 0) -> None:
         self.spec = spec
+        self.first_column = first_column
         self.io: _StateIO | None = None
         self.pass_plan: _PassPlan | None = None
+        #: The batched pass the model is running (set around the model's forward): some
+        #: decoder layers (Jamba's) call their mixer without passing the pass along.
+        self.current: BatchMeta | None = None
+
+    def enter(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        self.current = kwargs.get("kvtier_batch")
+
+    def leave(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        self.current = None
 
     def for_pass(self, meta: BatchMeta, dtype: torch.dtype) -> tuple[_StateIO, _PassPlan]:
         io = self.io
         if io is None or io.storage is not meta.storage or io.dtype != dtype:
-            io = self.io = _StateIO(meta.storage, self.spec, dtype)
+            io = self.io = _StateIO(meta.storage, self.spec, dtype, self.first_column)
         plan = self.pass_plan
         if plan is None or plan.meta is not meta:
             plan = self.pass_plan = _PassPlan(meta, io)
@@ -221,6 +256,18 @@ class _BlockStateLayer(BlockBackedLayer):
     """Mixed into a model's state-layer class by :func:`install_state_layers`."""
 
     _kvtier_plan: _Plan
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        current = self._kvtier_plan.current
+        if current is not None and kwargs.get("kvtier_batch") is None:
+            kwargs["kvtier_batch"] = current
+        return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
 
     def _cached(
         self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
@@ -259,8 +306,8 @@ class _BlockStateLayer(BlockBackedLayer):
             starts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             if plan.run_read is not None:
                 conv, rec = io.read(layer, plan.run_read)
-                for i, blk in enumerate(sorted(plan.sources)):
-                    starts[blk] = (conv[i : i + 1], rec[i : i + 1])
+                for i, source in enumerate(sorted(plan.sources)):
+                    starts[source] = (conv[i : i + 1], rec[i : i + 1])
             convs: list[torch.Tensor] = []
             recs: list[torch.Tensor] = []
             for run in plan.runs:
@@ -271,10 +318,12 @@ class _BlockStateLayer(BlockBackedLayer):
                     state = _RunCache(c0.clone(), r0.clone())
                 outs = []
                 last = len(run.cuts) - 1
-                for i, (a, b, _) in enumerate(run.cuts):
+                for i, (a, b, blk) in enumerate(run.cuts):
                     seg = x[run.offset + a : run.offset + b][None]
                     outs.append(self._run(seg, state)[0])
                     assert state.conv is not None and state.recurrent is not None  # by _run
+                    if blk is None:
+                        continue
                     # A one-token run steps the states in place: keep this checkpoint apart.
                     keep = i == last
                     convs.append(state.conv if keep else state.conv.clone())
@@ -320,11 +369,34 @@ def install_state_layers(model: Any) -> int:
             f"the config names {len(spec.layers)} linear-attention layers but the model has "
             f"{len(found)} modules kvtier recognises as such: it cannot serve this model"
         )
-    plan = _Plan(spec)
+    first_column = 0
+    if spec.beside_attention:
+        from kvtier.engine.model import geometry
+
+        # The layers' attention keeps its K/V in the first head_dim columns of each slot.
+        first_column = geometry(lambda name: getattr(config, name, None))[3]
+        for module in model.modules():
+            if _is_attention(module) and module.layer_idx in spec.layers:
+                module._kvtier_beside_state = True
+    plan = _Plan(spec, first_column)
     for module in found:
         mix_in(module, _BlockStateLayer)
         module._kvtier_plan = plan
+    for handle in getattr(model, "_kvtier_state_hooks", ()):
+        handle.remove()
+    model._kvtier_state_hooks = (
+        model.register_forward_pre_hook(plan.enter, with_kwargs=True),
+        model.register_forward_hook(plan.leave, with_kwargs=True, always_call=True),
+    )
     return len(found)
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    return (
+        isinstance(getattr(module, "layer_idx", None), int)
+        and hasattr(module, "k_proj")
+        and hasattr(module, "v_proj")
+    )
 
 
 def check_exact_blocks(

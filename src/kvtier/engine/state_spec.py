@@ -39,6 +39,7 @@ STATE_MODEL_TYPES = frozenset(
         "granitemoehybrid",
         "nemotron_h",
         "jamba",
+        "falcon_h1",
     }
 )
 
@@ -61,6 +62,14 @@ class StateSpec:
     #: The recurrent state's shape per sequence (heads and the per-head matrix, or Mamba-1's
     #: channels x state size).
     recurrent_shape: tuple[int, ...]
+    #: Whether each state layer also has attention (Falcon-H1 runs both side by side in every
+    #: layer): its share of a block then keeps K/V in the first ``head_dim`` columns of each
+    #: slot and the state in the columns after them.
+    beside_attention: bool = False
+    #: Whether the layer's multi-token form starts from a given state. Jamba's Mamba-1
+    #: mixer starts every multi-token run from zero (transformers only ever runs a whole
+    #: prompt that way), so a run that goes on from a state steps one token at a time.
+    resumable_runs: bool = True
 
     @property
     def recurrent_bytes(self) -> int:
@@ -107,6 +116,8 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
         offset = get("attn_layer_offset")
         at = offset if isinstance(offset, int) else 4
         types = ["full_attention" if i % period == at else LINEAR for i in range(layers)]
+    if model_type == "falcon_h1":
+        types = [LINEAR] * layers  # attention and a Mamba-2 mixer in every layer
     if types is None and model_type == "granitemoehybrid":
         types = [LINEAR] * layers  # transformers' default for Granite 4 hybrids
     if types is None and model_type in _DELTA_NET_TYPES:
@@ -179,9 +190,22 @@ def state_spec(get: Callable[[str], object]) -> StateSpec | None:
             conv_channels=channels,
             conv_kernel=_int(get, "mamba_d_conv"),
             recurrent_shape=(channels, _int(get, "mamba_d_state")),
+            resumable_runs=False,
         )
     hidden = _int(get, "hidden_size")
     heads = _int(get, "mamba_n_heads")
+    if get("model_type") == "falcon_h1":
+        inner = get("mamba_d_ssm") or _int(get, "mamba_expand") * hidden
+        d_state = _int(get, "mamba_d_state")
+        if not isinstance(inner, int) or inner % heads:
+            raise ConfigError(f"mamba_d_ssm={inner!r} must be a multiple of mamba_n_heads")
+        return StateSpec(
+            layers,
+            conv_channels=inner + 2 * _int(get, "mamba_n_groups") * d_state,
+            conv_kernel=_int(get, "mamba_d_conv"),
+            recurrent_shape=(heads, inner // heads, d_state),
+            beside_attention=True,
+        )
     expand = _int(get, "mamba_expand")
     d_state = _int(get, "mamba_d_state")
     given = get("mamba_d_head")
@@ -205,12 +229,16 @@ def slot_width(
     """The per-head slot width at which one layer's part of a block holds ``spec``'s state.
 
     A layer's part of a block is ``2 x block_size x kv_heads x width`` values
-    (K and V); never narrower than the attention layers' own ``head_dim``.
+    (K and V); never narrower than the attention layers' own ``head_dim``, and
+    ``head_dim`` wider when the state shares its layer with attention.
     Larger blocks need less widening: a block size at which the attention
     layers' part already holds a state wastes nothing.
     """
     per_width = 2 * block_size * kv_heads * itemsize
-    return max(head_dim, -(-spec.nbytes(itemsize) // per_width))
+    state_width = -(-spec.nbytes(itemsize) // per_width)
+    if spec.beside_attention:
+        return head_dim + state_width  # K/V first, then the state
+    return max(head_dim, state_width)
 
 
 def state_block_size(
@@ -220,7 +248,9 @@ def state_block_size(
 
     At that size a block's share of an attention layer and of a state layer
     take the same bytes, so nothing is padded (vLLM sizes its attention
-    blocks for hybrid models the same way).
+    blocks for hybrid models the same way). When states share their layers
+    with attention, it is the size at which a state takes no more room than
+    the layer's K/V of the block's tokens.
     """
     per_token = 2 * kv_heads * head_dim * itemsize
     tokens = -(-spec.nbytes(itemsize) // per_token)

@@ -10,13 +10,14 @@ full layers included. Two more kinds of layer are served from the same
 per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
 compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
-(:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba-2
-layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4, Nemotron-H and Jamba from a checkpoint of their
-recurrent state in every block (:mod:`kvtier.engine.state_layers`). Nothing
-else is: other state-space families are unchecked, attention sinks add a
-learned logit to every softmax, and soft-capping bends the attention
-logits. Served through kvtier's blocks, such a model would answer
-differently from the model itself, without a word.
+(:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba
+layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4, Nemotron-H, Falcon-H1 and
+Jamba from a checkpoint of their recurrent state in every block
+(:mod:`kvtier.engine.state_layers`). Nothing else is: other state-space
+families are unchecked, attention sinks add a learned logit to every
+softmax, and soft-capping bends the attention logits. Served through
+kvtier's blocks, such a model would answer differently from the model
+itself, without a word.
 
 :func:`check_supported` reads only config fields (a ``config.json``, a GGUF
 file's metadata or a loaded config object), so a server refuses a model it
@@ -100,7 +101,6 @@ _KNOWN_UNSUPPORTED = {
     "Mamba / state-space layers": (
         "mamba",
         "mamba2",
-        "falcon_h1",
         "falcon_mamba",
         "zamba",
         "zamba2",
@@ -194,6 +194,8 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
             allowed.add(LINEAR)
         if name == "nemotron_h":
             allowed |= {"moe", "mlp"}  # feed-forward-only layers: nothing cached
+        if name == "falcon_h1":
+            allowed.add("hybrid")  # attention and a Mamba-2 mixer side by side
         if name in CHUNKED_MODEL_TYPES:
             allowed.add(CHUNKED)
         odd = sorted({str(t) for t in layer_types if t not in allowed})
