@@ -8,7 +8,9 @@ Two parts, each on ``--device`` (a GPU when there is one; ``cpu`` works):
     ``tests/test_state_layers.py`` uses), greedy tokens through the engine
     against transformers' own ``generate`` on the same device: requests one
     at a time, a batch with chunked prompts sharing a prefix, the same
-    prompts again (prefix hits), and prefixes loaded back from a host tier.
+    prompts again (prefix hits), and prefixes loaded back from a host tier;
+    and every block's checkpoint against the state transformers' own cache
+    holds at the block's end.
 ``speed``
     A model of Qwen3-Next's widths (hidden 2048, gated delta-net layers of
     16 key heads / 32 value heads of 128, attention of 2 KV heads of 256,
@@ -52,7 +54,7 @@ def sync(device: torch.device) -> None:
 
 
 def correctness(device: torch.device, new_tokens: int) -> dict[str, Any]:
-    from test_state_layers import FAMILIES
+    from test_state_layers import FAMILIES, checkpoints_and_states
     from tiny_model import greedy_ignoring_eos, run_all, seeded_prompt, tiny_tokenizer
 
     from kvtier.engine import Engine
@@ -105,14 +107,26 @@ def correctness(device: torch.device, new_tokens: int) -> dict[str, Any]:
                 outs = list(tiered.generate(p, greedy_ignoring_eos(new_tokens)))
                 ok &= [t for o in outs for t in o.token_ids] == w
         cases["host tier round trip"] = ok
+        # Tokens alone can miss a wrong state (a tiny random Mamba barely uses it): compare
+        # every block's checkpoint with the state transformers' own cache holds there.
+        worst = 0.0
+        for conv, want_conv, rec, want_rec in checkpoints_and_states(model, str(device)):
+            for got, want in ((conv, want_conv), (rec, want_rec)):
+                scale = float(want.abs().max()) or 1.0
+                worst = max(worst, float((got - want).abs().max()) / scale)
+        cases["checkpoints equal transformers' states"] = worst < 1e-3
         loaded = tiered.counters.loaded_prompt_tokens
         report[name] = {
             "cases": cases,
+            "checkpoint_max_relative_error": worst,
             "cached_prompt_tokens_second_pass": hits,
             "loaded_prompt_tokens_from_host": loaded,
             "ok": all(cases.values()) and hits > 0 and loaded > 0,
         }
-        say(f"{name}: {cases} prefix-hit tokens {hits}, loaded from host {loaded}")
+        say(
+            f"{name}: {cases} prefix-hit tokens {hits}, loaded from host {loaded}, "
+            f"checkpoint error {worst:.1e}"
+        )
         tiered.close()
     report["ok"] = all(v["ok"] for v in report.values() if isinstance(v, dict))
     return report

@@ -470,40 +470,43 @@ def test_serve_picks_a_block_size_that_holds_a_state_unwidened(tmp_path: Path) -
     assert chosen.cache.block_size == 16 and line is None
 
 
-def test_every_block_holds_the_models_own_state_at_its_end(family: TinyFamily) -> None:
-    """The checkpoint in each block equals the state transformers' own cache holds after
-    the block's last token (tokens alone can miss a state error in a tiny random model)."""
+def checkpoints_and_states(
+    reference: Any, device: str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(kvtier's conv, transformers' conv, kvtier's recurrent, transformers' recurrent)``
+    for every state layer at the end of each block of a 14-token prompt computed in two
+    passes (the second going on from the state the first left mid-block)."""
     import copy
 
     from kvtier.engine.paged import BatchMeta, SeqSlice, install
     from kvtier.engine.state_layers import _StateIO
     from kvtier.storage import KVBlockStorage
 
-    model = copy.deepcopy(family.reference)
+    model = copy.deepcopy(reference).to(device)
     install(model)
     config = model.config
     spec = state_spec(lambda name: getattr(config, name, None))
     assert spec is not None
-    storage = KVBlockStorage(layout_for_model(config, BS, torch.float32), 8)
+    storage = KVBlockStorage(layout_for_model(config, BS, torch.float32), 8, device)
     prompt = seeded_prompt(70, 3 * BS + 2)
-    # Two passes: the second goes on from the state the first left mid-block.
     for start, end in ((0, 2 * BS + 2), (2 * BS + 2, len(prompt))):
         meta = BatchMeta(storage, [SeqSlice(start, end - start, list(range(end)))])
         with torch.no_grad():
             model(
-                input_ids=torch.tensor([prompt[start:end]]),
-                position_ids=torch.arange(start, end)[None],
-                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool),
+                input_ids=torch.tensor([prompt[start:end]], device=device),
+                position_ids=torch.arange(start, end, device=device)[None],
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
                 use_cache=False,
                 logits_to_keep=1,
                 kvtier_batch=meta,
             )
     first = next(iter(m for m in model.modules() if hasattr(m, "_kvtier_plan")))
     io = _StateIO(storage, spec, torch.float32, first._kvtier_plan.first_column)
+    pairs = []
     for block in range(4):
         end = min((block + 1) * BS, len(prompt))
         with torch.no_grad():
-            out = family.reference(input_ids=torch.tensor([prompt[:end]]), use_cache=True)
+            out = model(input_ids=torch.tensor([prompt[:end]], device=device), use_cache=True)
         held = [
             layer
             for layer in out.past_key_values.layers
@@ -511,5 +514,13 @@ def test_every_block_holds_the_models_own_state_at_its_end(family: TinyFamily) -
         ]
         for layer_idx, layer in zip(spec.layers, held, strict=True):
             conv, rec = io.read(layer_idx, io.rows([block]))
-            torch.testing.assert_close(conv[0], layer.conv_states[0][0], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(rec[0], layer.recurrent_states[0][0], rtol=1e-4, atol=1e-5)
+            pairs.append((conv[0], layer.conv_states[0][0], rec[0], layer.recurrent_states[0][0]))
+    return pairs
+
+
+def test_every_block_holds_the_models_own_state_at_its_end(family: TinyFamily) -> None:
+    """The checkpoint in each block equals the state transformers' own cache holds after
+    the block's last token (tokens alone can miss a state error in a tiny random model)."""
+    for conv, want_conv, rec, want_rec in checkpoints_and_states(family.reference):
+        torch.testing.assert_close(conv, want_conv, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(rec, want_rec, rtol=1e-4, atol=1e-5)
