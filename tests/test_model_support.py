@@ -362,6 +362,24 @@ SUPPORTED = [
         },
     ),
     (
+        "KimiLinearConfig",
+        {
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "linear_head_dim": 16,
+            "linear_num_heads": 2,
+            "pad_token_id": 0,
+        },
+    ),
+    (
         "BambaConfig",
         {
             "attn_layer_indices": [2],

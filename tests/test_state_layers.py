@@ -233,6 +233,33 @@ def _falcon_h1(tok: Any, **fields: Any) -> Any:
     )
 
 
+def _kimi_linear(tok: Any, **fields: Any) -> Any:
+    """Kimi Linear: Kimi delta attention (linear) layers around multi-head latent attention."""
+    return transformers.KimiLinearConfig(
+        **{
+            **{
+                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
+            },
+            "num_key_value_heads": 4,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "linear_head_dim": 16,
+            "linear_num_heads": 2,
+            "linear_conv_kernel_dim": 4,
+            "layer_types": ["linear_attention", "full_attention"] + ["linear_attention"] * 2,
+            "pad_token_id": 0,
+            **fields,
+        }
+    )
+
+
 FAMILIES = {
     "qwen3_next": (transformers.Qwen3NextForCausalLM, _qwen3_next),
     "qwen3_5_text": (transformers.Qwen3_5ForCausalLM, _qwen3_5),
@@ -242,6 +269,7 @@ FAMILIES = {
     "nemotron_h": (transformers.NemotronHForCausalLM, _nemotron_h),
     "jamba": (transformers.JambaForCausalLM, _jamba),
     "falcon_h1": (transformers.FalconH1ForCausalLM, _falcon_h1),
+    "kimi_linear": (transformers.KimiLinearForCausalLM, _kimi_linear),
 }
 
 

@@ -345,7 +345,7 @@ class _BlockStateLayer(BlockBackedLayer):
 def _is_state_layer(module: torch.nn.Module, layers: tuple[int, ...]) -> bool:
     return (
         isinstance(getattr(module, "conv1d", None), torch.nn.Conv1d)
-        and hasattr(module, "out_proj")
+        and (hasattr(module, "out_proj") or hasattr(module, "o_proj"))
         and getattr(module, "layer_idx", None) in layers
     )
 

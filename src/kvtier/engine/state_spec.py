@@ -40,11 +40,21 @@ STATE_MODEL_TYPES = frozenset(
         "nemotron_h",
         "jamba",
         "falcon_h1",
+        "kimi_linear",
     }
 )
 
 #: Of those, the gated delta-net families (Qwen3-Next, Qwen3.5); the others are Mamba.
 _DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+
+
+def _kimi_field(get: Callable[[str], object], name: str, nested: str, default: int) -> object:
+    """A Kimi Linear field, flat (a saved config) or in its checkpoint's ``linear_attn_config``."""
+    value = get(name)
+    sub = get("linear_attn_config")
+    if value is None and isinstance(sub, dict):
+        value = sub.get(nested)
+    return default if value is None else value
 
 #: The recurrent state is float32 whatever the model's dtype (transformers keeps it so).
 RECURRENT_ITEMSIZE = 4
@@ -118,6 +128,13 @@ def state_layers(get: Callable[[str], object]) -> tuple[int, ...]:
         types = ["full_attention" if i % period == at else LINEAR for i in range(layers)]
     if model_type == "falcon_h1":
         types = [LINEAR] * layers  # attention and a Mamba-2 mixer in every layer
+    if types is None and model_type == "kimi_linear":
+        sub = get("linear_attn_config")
+        if isinstance(sub, dict) and "kda_layers" in sub:
+            kda = set(sub["kda_layers"])  # 1-indexed in the checkpoint
+            types = [LINEAR if i + 1 in kda else "full_attention" for i in range(layers)]
+        else:
+            types = [LINEAR if not (i and i % 4 == 0) else "full_attention" for i in range(layers)]
     if types is None and model_type == "granitemoehybrid":
         types = [LINEAR] * layers  # transformers' default for Granite 4 hybrids
     if types is None and model_type in _DELTA_NET_TYPES:
@@ -156,6 +173,22 @@ def state_spec(get: Callable[[str], object]) -> StateSpec | None:
     layers = state_layers(get)
     if not layers:
         return None
+    if get("model_type") == "kimi_linear":
+        heads = _kimi_field(get, "linear_num_heads", "num_heads", 32)
+        head_dim = _kimi_field(get, "linear_head_dim", "head_dim", 128)
+        kernel = _kimi_field(get, "linear_conv_kernel_dim", "short_conv_kernel_size", 4)
+        if not all(isinstance(v, int) and v > 0 for v in (heads, head_dim, kernel)):
+            raise ConfigError(
+                f"Kimi Linear's linear attention needs positive integer heads ({heads!r}), "
+                f"head_dim ({head_dim!r}) and conv kernel ({kernel!r}): fix config.json"
+            )
+        assert isinstance(heads, int) and isinstance(head_dim, int) and isinstance(kernel, int)
+        return StateSpec(
+            layers,
+            conv_channels=3 * heads * head_dim,
+            conv_kernel=kernel,
+            recurrent_shape=(heads, head_dim, head_dim),
+        )
     if get("model_type") in _DELTA_NET_TYPES:
         k_heads = _int(get, "linear_num_key_heads")
         v_heads = _int(get, "linear_num_value_heads")

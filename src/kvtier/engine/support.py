@@ -11,8 +11,8 @@ per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
 compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
 (:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba
-layers of Qwen3-Next, Qwen3.5, Bamba, Granite 4, Nemotron-H, Falcon-H1 and
-Jamba from a checkpoint of their recurrent state in every block
+layers of Qwen3-Next, Qwen3.5, Kimi Linear, Bamba, Granite 4, Nemotron-H,
+Falcon-H1 and Jamba from a checkpoint of their recurrent state in every block
 (:mod:`kvtier.engine.state_layers`). Nothing else is: other state-space
 families are unchecked, attention sinks add a learned logit to every
 softmax, and soft-capping bends the attention logits. Served through
@@ -59,7 +59,7 @@ CHUNKED_MODEL_TYPES = frozenset({"llama4_text"})
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
 #: K and V decompressed per head (see :func:`kvtier.engine.model.geometry`).
-MLA_MODEL_TYPES = frozenset({"deepseek_v3"})
+MLA_MODEL_TYPES = frozenset({"deepseek_v3", "kimi_linear"})
 
 #: Of those, the families whose sliding-window layers have been checked
 #: against the model's own answers (the others must be full attention).
@@ -109,7 +109,6 @@ _KNOWN_UNSUPPORTED = {
     "multi-head latent attention (MLA)": (
         "deepseek_v2",
         "kimi_k2",
-        "kimi_linear",
         "longcat_flash",
         "glm4_moe_lite",
     ),
