@@ -2,7 +2,8 @@
 
 For each routing policy, in one run, the script starts a fresh ``kvtier
 cluster`` (``--instances`` ``kvtier serve`` on the bundled SmolLM2-135M, a
-router from PyPI in front, optionally a shared Redis tier with
+router from PyPI in front, or kvtier's own routing on the instances' KV
+events with ``kvtier:POLICY``, optionally a shared Redis tier with
 ``--shared-tier``), warms each instance up with one private request, and
 replays the same multi-turn conversations through the router with the
 official ``openai`` client (streaming chat completions, usage included) at a
@@ -141,10 +142,12 @@ class Cluster:
     log_path: Path
 
 
-def start_cluster(args: argparse.Namespace, routing: str, shared: bool, workdir: Path) -> Cluster:
-    log_path = workdir / f"cluster-{routing}{'-redis' if shared else ''}.log"
+def start_cluster(
+    args: argparse.Namespace, routing: str, shared: bool, workdir: Path, router: str
+) -> Cluster:
+    log_path = workdir / f"cluster-{router}-{routing}{'-redis' if shared else ''}.log"
     argv = [sys.executable, "-m", "kvtier.cli", "cluster"]
-    argv += ["--instances", str(args.instances), "--router", args.router, "--routing", routing]
+    argv += ["--instances", str(args.instances), "--router", router, "--routing", routing]
     argv += ["--port", str(_free_port()), "--instance-port", "0"]
     if args.model:
         argv += ["--model", args.model]
@@ -184,6 +187,13 @@ def instance_stats(cluster: Cluster) -> list[dict[str, Any]]:
         with urllib.request.urlopen(f"{url}/v1/cache/stats", timeout=30) as r:
             out.append(json.loads(r.read())["engine"])
     return out
+
+
+def router_stats(cluster: Cluster) -> dict[str, Any]:
+    """kvtier route's ``/stats``: its routing decisions and each instance's event stream."""
+    with urllib.request.urlopen(f"{cluster.url}/stats", timeout=30) as r:
+        stats: dict[str, Any] = json.loads(r.read())
+    return stats
 
 
 def warm_up(cluster: Cluster) -> None:
@@ -301,6 +311,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(
+    router: str,
     routing: str,
     shared: bool,
     run: Replay,
@@ -317,6 +328,7 @@ def summarize(
         return [int(a[key]) - int(b[key]) for a, b in zip(after, before, strict=True)]
 
     return {
+        "router": router,
         "routing": routing,
         "shared_tier": "redis" if shared else None,
         "requests": len(res),
@@ -358,9 +370,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     p.add_argument("--instances", type=int, default=2)
-    p.add_argument("--router", choices=("vllm", "sglang"), default="vllm")
     p.add_argument(
-        "--policies", nargs="+", default=["round_robin", "cache_aware"], help="routing policies"
+        "--router",
+        choices=("vllm", "sglang", "kvtier"),
+        default="vllm",
+        help="the router of policies named without one (kvtier: kvtier route, on KV events)",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["round_robin", "cache_aware"],
+        help="routing policies, each POLICY (on --router) or ROUTER:POLICY, e.g. "
+        "round_robin cache_aware kvtier:cache_aware",
     )
     p.add_argument(
         "--shared-tier",
@@ -395,24 +416,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(
         f"{len(turns)} requests from {args.conversations} conversations of {args.trace.name} "
         f"(token counts / {args.scale}), concurrency {args.concurrency}, "
-        f"max_tokens {args.max_tokens}, {args.instances} instances behind {args.router}-router"
+        f"max_tokens {args.max_tokens}, {args.instances} instances"
     )
-    configs = [(p, False) for p in args.policies]
+    policies = [p.split(":", 1) if ":" in p else [args.router, p] for p in args.policies]
+    configs = [(r, p, False) for r, p in policies]
     if args.shared_tier:
-        configs += [(p, True) for p in args.policies]
+        configs += [(r, p, True) for r, p in policies]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-router-") as tmp:
-        for routing, shared in configs:
-            log(f"{routing}{' + redis' if shared else ''}: starting the cluster ...")
-            cluster = start_cluster(args, routing, shared, Path(tmp))
+        for router, routing, shared in configs:
+            log(f"{router} {routing}{' + redis' if shared else ''}: starting the cluster ...")
+            cluster = start_cluster(args, routing, shared, Path(tmp), router)
             try:
                 warm_up(cluster)
                 before = instance_stats(cluster)
                 run = asyncio.run(replay(cluster, turns, args))
                 after = instance_stats(cluster)
+                decisions = router_stats(cluster) if router == "kvtier" else None
             finally:
                 stop_cluster(cluster)
-            row = summarize(routing, shared, run, before, after)
+            row = summarize(router, routing, shared, run, before, after)
+            if decisions is not None:
+                row["router_stats"] = decisions
             log(
                 f"  hit ratio {row['hit_ratio']:.1%}, TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                 f"p99 {row['ttft_p99_ms']:.0f} ms, {row['output_tokens_per_s']:.1f} output tok/s, "
@@ -420,11 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             rows.append(row)
     headers = [
-        "routing", "shared tier", "requests", "hit ratio", "TTFT p50 ms", "TTFT p99 ms",
+        "router", "routing", "shared tier", "requests", "hit ratio", "TTFT p50 ms", "TTFT p99 ms",
         "output tok/s", "prompt tok/s", "requests per instance",
     ]  # fmt: skip
     table = [
         [
+            r["router"],
             r["routing"],
             r["shared_tier"] or "-",
             r["requests"] if not r["errors"] else f"{r['requests']} ({r['errors']} failed)",
@@ -445,7 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "requests": len(turns),
-            "router_version": package_version(f"{args.router}-router"),
+            "router_version": {
+                r: package_version(f"{r}-router") if r != "kvtier" else "kvtier route"
+                for r in sorted({r for r, _, _ in configs})
+            },
             "machine": machine_info(),
             "git": git_state(REPO),
             "results": rows,

