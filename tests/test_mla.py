@@ -20,6 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+#: Engine code is the same compiled or not: these run in the compiled pass only.
+pytestmark = pytest.mark.families
+
 from tiny_model import (  # noqa: E402
     TinyFamily,
     check_chunked_batches_and_preemption,

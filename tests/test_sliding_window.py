@@ -23,6 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+#: Engine code is the same compiled or not: these run in the compiled pass only.
+pytestmark = pytest.mark.families
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_model import (  # noqa: E402
