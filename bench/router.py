@@ -153,6 +153,8 @@ def start_cluster(
         argv += ["--model", args.model]
     if shared:
         argv += ["--start-redis"]
+    if router != "kvtier":
+        argv += [f"--router-arg={a}" for a in args.router_arg]
     argv += ["--", "--log-level", "warning", *args.serve_arg]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
@@ -389,6 +391,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run every policy with a shared Redis tier (redis-server on PATH)",
     )
     p.add_argument("--model", help="model for every instance (default: the bundled SmolLM2)")
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="an extra flag for the Rust router, e.g. --router-arg=--cache-threshold=0.1",
+    )
     p.add_argument(
         "--serve-arg",
         action="append",
