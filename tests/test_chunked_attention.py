@@ -32,16 +32,15 @@ from tiny_model import (  # noqa: E402
     check_moved_request,
     check_prefix_hit_and_host_tier,
     check_request_mix,
+    check_saved_directory_serves,
     request_mixes,
     run_all,
     seeded_prompt,
     tiny_tokenizer,
 )
 
-from kvtier.engine import Engine, layout_for_model  # noqa: E402
+from kvtier.engine import layout_for_model  # noqa: E402
 from kvtier.engine.attention_spec import chunked_layers  # noqa: E402
-from kvtier.engine.config import EngineConfig  # noqa: E402
-from kvtier.engine.model import probe_model  # noqa: E402
 from kvtier.engine.paged import BatchMeta, SeqSlice, install  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402
 
@@ -176,16 +175,5 @@ def test_a_request_moved_to_another_engine_keeps_its_tokens(
 
 def test_a_saved_directory_serves(llama4: TinyFamily, tmp_path: Path) -> None:
     """What ``kvtier serve --model DIR`` does: probe, load and serve it over HTTP."""
-    from serving import serving
-
-    llama4.reference.save_pretrained(tmp_path)
-    llama4.tok.save_pretrained(tmp_path)
-    assert probe_model(tmp_path).num_layers == 4
-    engine = Engine.from_config(EngineConfig(model=str(tmp_path)))
-    with serving(engine, llama4.model_id) as srv:
-        reply = srv.client().completions.create(
-            model=llama4.model_id, prompt="hello, chunked world", max_tokens=5, temperature=0.0
-        )
-    prompt = llama4.tok.encode("hello, chunked world")
-    want = llama4.tok.decode(llama4.hf_greedy(prompt, 5), skip_special_tokens=True)
-    assert reply.choices[0].text == want
+    info = check_saved_directory_serves(llama4, tmp_path, "hello, chunked world")
+    assert info.num_layers == 4

@@ -33,6 +33,7 @@ from tiny_model import (  # noqa: E402
     check_moved_request,
     check_prefix_hit_and_host_tier,
     check_request_mix,
+    check_saved_directory_serves,
     greedy_ignoring_eos,
     request_mixes,
     run_all,
@@ -40,9 +41,8 @@ from tiny_model import (  # noqa: E402
     tiny_tokenizer,
 )
 
-from kvtier.engine import Engine, layout_for_model  # noqa: E402
+from kvtier.engine import layout_for_model  # noqa: E402
 from kvtier.engine.config import EngineConfig  # noqa: E402
-from kvtier.engine.model import probe_model  # noqa: E402
 from kvtier.engine.state_spec import state_spec  # noqa: E402
 from kvtier.engine.support import check_supported  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
@@ -109,6 +109,12 @@ _COMMON = (
 )
 
 
+def _shared_fields(tok: Any) -> dict[str, Any]:
+    """The sizes every tiny family here shares (vocabulary, widths, heads, positions)."""
+    config = _bamba(tok).to_dict()
+    return {k: config[k] for k in _COMMON if k not in ("layer_types", "head_dim")}
+
+
 def _bamba(tok: Any, **fields: Any) -> Any:
     return transformers.BambaConfig(
         **{
@@ -162,9 +168,7 @@ def _nemotron_h(tok: Any, **fields: Any) -> Any:
     """Nemotron-H: Mamba-2, attention, expert and MLP layers, one kind per layer."""
     return transformers.NemotronHConfig(
         **{
-            **{
-                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
-            },
+            **_shared_fields(tok),
             "head_dim": 16,
             "intermediate_size": 96,
             "num_hidden_layers": 5,
@@ -190,9 +194,7 @@ def _jamba(tok: Any, **fields: Any) -> Any:
     """Jamba: Mamba-1 layers (a state per channel, no heads) around attention, experts."""
     return transformers.JambaConfig(
         **{
-            **{
-                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
-            },
+            **_shared_fields(tok),
             "intermediate_size": 96,
             "attn_layer_period": 4,
             "attn_layer_offset": 1,
@@ -214,9 +216,7 @@ def _falcon_h1(tok: Any, **fields: Any) -> Any:
     multipliers; a layer's share of a block keeps K/V and the state in separate columns."""
     return transformers.FalconH1Config(
         **{
-            **{
-                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
-            },
+            **_shared_fields(tok),
             "num_hidden_layers": 3,
             "head_dim": 16,
             "intermediate_size": 96,
@@ -240,9 +240,7 @@ def _kimi_linear(tok: Any, **fields: Any) -> Any:
     """Kimi Linear: Kimi delta attention (linear) layers around multi-head latent attention."""
     return transformers.KimiLinearConfig(
         **{
-            **{
-                k: _bamba(tok).to_dict()[k] for k in _COMMON if k not in ("layer_types", "head_dim")
-            },
+            **_shared_fields(tok),
             "num_key_value_heads": 4,
             "intermediate_size": 96,
             "moe_intermediate_size": 32,
@@ -418,22 +416,10 @@ def test_configs_kvtier_cannot_serve_are_refused(
 
 def test_a_saved_directory_serves(family: TinyFamily, tmp_path: Path) -> None:
     """What ``kvtier serve --model DIR`` does: probe, load and serve it over HTTP."""
-    from serving import serving
-
-    family.reference.save_pretrained(tmp_path)
-    family.tok.save_pretrained(tmp_path)
-    info = probe_model(tmp_path)
+    info = check_saved_directory_serves(family, tmp_path, "hello")
     assert info.state is not None
     config = family.reference.config
     assert info.layout(16, "float32") == layout_for_model(config, 16, torch.float32)
-    engine = Engine.from_config(EngineConfig(model=str(tmp_path)))
-    with serving(engine, family.model_id) as srv:
-        reply = srv.client().completions.create(
-            model=family.model_id, prompt="hello", max_tokens=5, temperature=0.0
-        )
-    prompt = family.tok.encode("hello")
-    want = family.tok.decode(family.hf_greedy(prompt, 5), skip_special_tokens=True)
-    assert reply.choices[0].text == want
 
 
 def test_serve_refuses_rounded_states_before_loading_weights(

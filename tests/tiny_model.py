@@ -255,6 +255,29 @@ def check_moved_request(family: TinyFamily, steps_before: int) -> None:
     b.manager.check()
 
 
+def check_saved_directory_serves(family: TinyFamily, path: Any, text: str) -> Any:
+    """What ``kvtier serve --model DIR`` does with the family saved to ``path``: probe, load
+    and serve ``text`` over HTTP, answering the reference's greedy tokens. Returns the probe."""
+    from serving import serving
+
+    from kvtier.engine import Engine
+    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.model import probe_model
+
+    family.reference.save_pretrained(path)
+    family.tok.save_pretrained(path)
+    info = probe_model(path)
+    engine = Engine.from_config(EngineConfig(model=str(path)))
+    with serving(engine, family.model_id) as srv:
+        reply = srv.client().completions.create(
+            model=family.model_id, prompt=text, max_tokens=5, temperature=0.0
+        )
+    prompt = family.tok.encode(text)
+    want = family.tok.decode(family.hf_greedy(prompt, 5), skip_special_tokens=True)
+    assert reply.choices[0].text == want
+    return info
+
+
 def check_request_mix(
     family: TinyFamily, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
