@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier import BadRequestError, ConfigError, KVCacheManager, make_policy
 from kvtier.agents import WorkflowPolicy, WorkflowTracker, sequential
-from kvtier.agents.policy import DEFAULT, PINNED, workflow_policy_of
+from kvtier.agents.policy import DEFAULT, PINNED, WAITING, workflow_policy_of
 
 FALLBACKS = ["lru", "learned-reuse", "arc", "s3fifo", "lfu", "fifo", "sieve", "gdsf", "hybrid"]
 
@@ -351,3 +351,73 @@ def test_session_end_needs_a_session_id() -> None:
         make_policy("workflow").on_request([1], 0, 0.0, {"session_end": True})
     with pytest.raises(BadRequestError, match="session_end"):
         make_policy("workflow").on_request([1], 0, 0.0, {"session_id": "s", "session_end": 1})
+
+
+def test_a_session_back_early_is_ranked_by_its_new_return() -> None:
+    # pin_fraction 0: every pin waits, ordered by when its session is due back.
+    p = WorkflowPolicy(guard=False, pin_fraction=0.0)
+    p.bind(100)
+    p.on_request([1, 2], 0, 0.0, {"session_id": "a", "cache_ttl_s": 100})
+    p.insert_many([1, 2])
+    p.on_request([3, 4], 0, 0.0, {"session_id": "b", "cache_ttl_s": 50})
+    p.insert_many([3, 4])
+    # a is back after 10 s, not 100, and its next tool call takes 5 s: it is due at
+    # 15 s now, before b (50 s), although its first pin ran to 100 s.
+    p.on_request([1, 2, 5], 2, 10.0, {"session_id": "a", "cache_ttl_s": 5})
+    p.insert_many([5])
+    assert dict(p.snapshot()["expiry"])[1] == 15.0
+    assert p.evict_many(2) == [4, 3]
+
+
+def test_a_shared_prefix_keeps_the_pin_of_its_latest_user() -> None:
+    p = WorkflowPolicy(guard=False)
+    p.bind(100)
+    p.on_request([1, 2], 0, 0.0, {"session_id": "a", "cache_ttl_s": 100})
+    p.insert_many([1, 2])
+    p.on_request([1, 3], 1, 0.0, {"session_id": "b", "cache_ttl_s": 100})
+    p.insert_many([3])
+    p.on_request([1, 2, 4], 2, 10.0, {"session_id": "a", "cache_ttl_s": 5})
+    expiry = dict(p.snapshot()["expiry"])
+    assert expiry[2] == 15.0 and expiry[1] == expiry[3] == 100.0
+
+
+def test_a_session_that_stops_naming_a_ttl_releases_its_pins() -> None:
+    p = WorkflowPolicy(guard=False)
+    p.bind(100)
+    p.on_request([1, 2], 0, 0.0, {"session_id": "a", "cache_ttl_s": 30})
+    p.insert_many([1, 2])
+    p.on_request([3, 4], 0, 0.0, {"session_id": "b", "cache_ttl_s": 60})
+    p.insert_many([3, 4])
+    # No TTL after TTLs: a is answering, not waiting on a tool; it is not due back soon.
+    p.on_request([1, 2, 5], 2, 5.0, {"session_id": "a"})
+    p.insert_many([5])
+    assert not {1, 2, 5} & set(dict(p.snapshot()["expiry"]))
+    assert all(p.rank_of(k) not in (PINNED, WAITING) for k in (1, 2, 5))
+    assert all(p.rank_of(k) == PINNED for k in (3, 4))
+    assert set(p.evict_many(3)) == {1, 2, 5}
+
+
+def test_a_late_session_keeps_its_rank_for_as_long_again() -> None:
+    p = WorkflowPolicy(guard=False, pin_fraction=0.0)
+    p.bind(100)
+    p.on_request([1], 0, 0.0, {"session_id": "a", "cache_ttl_s": 10})
+    p.insert_many([1])
+    p.on_request([2], 0, 0.0, {"session_id": "b", "cache_ttl_s": 30})
+    p.insert_many([2])
+    p.expire(12.0)
+    # a is 2 s late: due any moment, so it stays, ranked by its due time, after b.
+    assert p.rank_of(1) == WAITING
+    assert p.evict() == 2
+    p.insert_many([2])
+    p.expire(21.0)  # late by more than its 10 s pin: not coming back
+    assert p.rank_of(1) not in (PINNED, WAITING) and p.rank_of(2) == WAITING
+    assert p.evict() == 1
+
+
+def test_keys_due_back_together_go_tail_first_whatever_their_insert_order() -> None:
+    p = WorkflowPolicy(guard=False, pin_fraction=0.0)
+    p.bind(100)
+    p.on_request([1, 2, 3], 0, 0.0, {"session_id": "a", "cache_ttl_s": 10})
+    for key in (3, 1, 2):
+        p.insert_many([key])
+    assert p.evict_many(3) == [3, 2, 1]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier import BadRequestError
+from kvtier import BadRequestError, ConfigError
 from kvtier.agents import workloads as W
+from kvtier.replay.bounds import cyclic_prefix_bound, max_window_hits
 from kvtier.replay.simulator import simulate, simulate_min
 from kvtier.replay.traces import SAMPLE_TRACE, load_trace
 
@@ -112,3 +116,55 @@ def test_the_generator_writes_traces_the_replay_reads(
     assert tr.requests and all(r.hints and "session_id" in r.hints for r in tr.requests)
     assert W.main(["mooncake", str(tmp_path / "m.jsonl")]) == 1
     assert "--trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_ttl_hints_close_half_the_gap_to_min_on_tool_sessions(tmp_path: Path, seed: int) -> None:
+    lines = W.tool_sessions(
+        100, arrival_s=1.0, tool_latency_median_s=10.0, system_tokens=800,
+        tool_result_tokens=(50, 400), seed=seed,
+    )  # fmt: skip
+    tr = _trace(lines, tmp_path, f"tools-{seed}", W.BLOCK_SIZE)
+    lru = simulate(tr, "lru", 600, "prefix").token_hit_ratio
+    wf = simulate(tr, "workflow", 600, "prefix").token_hit_ratio
+    best = simulate_min(tr, 600, "prefix").token_hit_ratio
+    assert wf - lru >= 0.5 * (best - lru), (wf, lru, best)
+
+
+def _brute_window_hits(cycle: int, limits: list[int], room: list[int]) -> int:
+    free = range(cycle, len(limits))
+    best = 0
+    for hs in itertools.product(*(range(max(0, limits[s]) + 1) for s in free)):
+        h = dict(zip(free, hs, strict=True))
+        if all(
+            sum(h.get(s, 0) for s in range(t + 1, min(t + cycle, len(limits)))) <= max(r, 0)
+            for t, r in enumerate(room)
+        ):
+            best = max(best, sum(hs))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cycle=st.integers(1, 4),
+    rows=st.lists(st.tuples(st.integers(-1, 3), st.integers(-2, 6)), min_size=1, max_size=8),
+)
+def test_the_greedy_window_packing_is_the_optimum(cycle: int, rows: list[tuple[int, int]]) -> None:
+    limits, room = [list(x) for x in zip(*rows, strict=True)]
+    assert max_window_hits(cycle, limits, room) == _brute_window_hits(cycle, limits, room)
+
+
+def test_no_policy_beats_the_cyclic_bound_and_the_workflow_policy_reaches_it(
+    tmp_path: Path,
+) -> None:
+    lines = W.cyclic_workflow(6, 256, rounds=5, suffix_tokens=32, answer_tokens=(8, 40), seed=3)
+    tr = _trace(lines, tmp_path, "cyclic-bound")
+    cap = 4 * 256 // W.BLOCK_SIZE
+    bound = cyclic_prefix_bound(tr, cap)
+    best = simulate_min(tr, cap, "prefix").token_hit_ratio
+    assert 0 < bound < best  # holding each running request costs hits MIN never pays
+    for policy in ("lru", "fifo", "arc", "learned-reuse", "workflow"):
+        assert simulate(tr, policy, cap, "prefix").token_hit_ratio <= bound + 1e-12, policy
+    assert simulate(tr, "workflow", cap, "prefix").token_hit_ratio == pytest.approx(bound)
+    with pytest.raises(ConfigError, match="agent_id"):
+        cyclic_prefix_bound(_trace(W.tool_sessions(3), tmp_path, "tools-bound"), cap)

@@ -112,25 +112,29 @@ class _ByReturn(PolicyBase):
     """TTL-pinned keys: the key whose pin ends latest goes first, a chain's tail first.
 
     ``expiry`` maps a key to when its pin ends (when its session is expected
-    back); a key it does not name never expires. The heap holds ``(-until,
-    -seq, key)`` entries, valid while ``_live[key]`` is their ``(-until,
-    -seq)``: a re-sort pushes a fresh entry and leaves the old one stale.
+    back); a key it does not name never expires. ``depth`` gives a key's
+    position in its chain, so that of keys due back together the deepest go
+    first (evicting a block evicts its descendants). The heap holds
+    ``(-until, -depth, -seq, key)`` entries, valid while ``_live[key]`` is
+    their first three: a re-sort pushes a fresh entry and leaves the old one
+    stale.
     """
 
-    def __init__(self, expiry: dict[int, float]) -> None:
+    def __init__(self, expiry: dict[int, float], depth: Callable[[int], int]) -> None:
         super().__init__()
         self._expiry = expiry
+        self._depth = depth
         self._seq = 0
-        #: Evictable keys -> the (-until, -seq) of their live heap entry.
-        self._live: dict[int, tuple[float, int]] = {}
-        self._heap: list[tuple[float, int, int]] = []
+        #: Evictable keys -> the (-until, -depth, -seq) of their live heap entry.
+        self._live: dict[int, tuple[float, int, int]] = {}
+        self._heap: list[tuple[float, int, int, int]] = []
         self._held: set[int] = set()
 
     def _push(self, key: int) -> None:
         seq = self._seq = self._seq + 1
-        neg_until = -self._expiry.get(key, math.inf)
-        self._live[key] = (neg_until, -seq)
-        heapq.heappush(self._heap, (neg_until, -seq, key))
+        entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
+        self._live[key] = entry
+        heapq.heappush(self._heap, (*entry, key))
         if len(self._heap) > 4 * len(self._live) + 64:
             self._compact()
 
@@ -143,6 +147,7 @@ class _ByReturn(PolicyBase):
         held = self._held
         live = self._live
         get = self._expiry.get
+        depth = self._depth
         push = heapq.heappush
         inf = math.inf
         seq = self._seq
@@ -152,9 +157,9 @@ class _ByReturn(PolicyBase):
                     raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned")
                 held.remove(key)
                 seq += 1
-                neg_until = -get(key, inf)
-                live[key] = (neg_until, -seq)
-                push(self._heap, (neg_until, -seq, key))
+                entry = (-get(key, inf), -depth(key), -seq)
+                live[key] = entry
+                push(self._heap, (*entry, key))
         finally:
             self._seq = seq
             if len(self._heap) > 4 * len(live) + 64:
@@ -206,8 +211,8 @@ class _ByReturn(PolicyBase):
     def evict(self) -> int | None:
         heap, live = self._heap, self._live
         while heap:
-            neg_until, neg_seq, key = heapq.heappop(heap)
-            if live.get(key) == (neg_until, neg_seq):
+            neg_until, neg_depth, neg_seq, key = heapq.heappop(heap)
+            if live.get(key) == (neg_until, neg_depth, neg_seq):
                 del live[key]
                 if self._sizes:
                     self._forget_size(key)
@@ -236,6 +241,8 @@ class _Tag:
     session: str | None = None
     shared: bool = False
     reuse: str | None = None
+    #: The key's position in its chain (fixed: keys are chained to their prefix).
+    depth: int = 0
 
 
 @dataclass(slots=True)
@@ -248,6 +255,7 @@ class _Session:
     #: Mean pause observed between this session's requests (0.0: none seen yet).
     pause: float = 0.0
     keys: list[int] = field(default_factory=list)
+    hinted: bool = False
 
 
 #: Sessions remembered at most (the oldest are forgotten first).
@@ -324,11 +332,15 @@ class WorkflowPolicy(PolicyBase):
         self._tagged: dict[str, object] = {}
         #: TTL pins: key -> expiry, a heap of (expiry, key), the keys protected now.
         self._expiry: dict[int, float] = {}
-        self._heap: list[tuple[float, int]] = []
+        #: Keys whose pin ran out and that still wait, ranked by their expiry, until
+        #: the deadline given (see :meth:`pin_for`); and each pin's deadline.
+        self._overdue: dict[int, float] = {}
+        self._late: dict[int, float] = {}
+        self._heap: list[tuple[float, int, int]] = []
         self._protected: dict[int, tuple[float, int]] = {}
         #: (-expiry, key) of protected keys, latest first; entries whose expiry
         #: no longer matches the key's protection are stale and skipped.
-        self._pheap: list[tuple[float, int]] = []
+        self._pheap: list[tuple[float, int, int]] = []
         self._protected_used = 0
         self._now = 0.0
         self.guard: LRUGuard | None = None
@@ -369,11 +381,19 @@ class WorkflowPolicy(PolicyBase):
             else:
                 # Hint-ranked classes order their keys themselves: by when a pin
                 # ends, or by request recency with a chain's tail first.
-                c = _ByReturn(self._expiry) if rank >= WAITING and rank in _TIMED else _TailFirst()
+                c = (
+                    _ByReturn(self._expiry, self._depth)
+                    if rank >= WAITING and rank in _TIMED
+                    else _TailFirst()
+                )
                 if self.capacity:
                     c.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
             self._classes[rank] = c
         return c
+
+    def _depth(self, key: int) -> int:
+        tag = self._tags.get(key)
+        return 0 if tag is None else tag.depth
 
     def _rank_of(self, key: int) -> int:
         return self._class_of.get(key, DEFAULT)
@@ -392,7 +412,9 @@ class WorkflowPolicy(PolicyBase):
         reuse = tag.reuse
         if reuse == "never":
             return NEVER
-        if key in self._expiry:
+        if key in self._expiry and not tag.shared:
+            # A shared prefix's pin ends when its last user is due, but it is due
+            # when its first one is: it ranks as a shared prefix, above every wait.
             return WAITING
         d = FAR
         owners = tag.owners
@@ -490,15 +512,16 @@ class WorkflowPolicy(PolicyBase):
         *,
         shared: bool = False,
         reuse: str | None = None,
+        depths: Iterable[int] | None = None,
     ) -> None:
         tags = self._tags
         resident = self._global
         moved: list[int] = []
-        for key in keys:
+        for key, depth in zip(keys, range(len(keys)) if depths is None else depths, strict=True):
             held = key in resident
             tag = tags.get(key)
             if tag is None:
-                tag = _Tag(session=session, shared=shared, reuse=reuse)
+                tag = _Tag(session=session, shared=shared, reuse=reuse, depth=depth)
                 tags[key] = tag
             else:
                 tags.move_to_end(key)
@@ -597,13 +620,16 @@ class WorkflowPolicy(PolicyBase):
                 prefix = frozenset(spec.prefix_keys)
         session = h.session_id or h.parent_session_id
         if prefix:
-            self._tag_keys([k for k in keys if k in prefix], owner, session, shared=True)
-            rest = [k for k in keys if k not in prefix]
+            inside = [i for i, k in enumerate(keys) if k in prefix]
+            self._tag_keys([keys[i] for i in inside], owner, session, shared=True, depths=inside)
+            at = [i for i, k in enumerate(keys) if k not in prefix]
+            rest = [keys[i] for i in at]
         else:
+            at = list(range(len(keys)))
             rest = list(keys)
         # reuse speaks for the request's own new blocks, never for ones others use.
-        self._tag_keys(rest[:num_hit], owner, session)
-        self._tag_keys(rest[num_hit:], owner, session, reuse=h.reuse)
+        self._tag_keys(rest[:num_hit], owner, session, depths=at[:num_hit])
+        self._tag_keys(rest[num_hit:], owner, session, reuse=h.reuse, depths=at[num_hit:])
         if h.session_id is not None:
             self._session(h, keys, now, progress)
         elif h.cache_ttl_s:
@@ -633,18 +659,25 @@ class WorkflowPolicy(PolicyBase):
         if h.session_end:
             self.end_session(sid)
             return
+        hinted_before = bool(rec.ttl) or rec.hinted
+        if not h.cache_ttl_s and hinted_before and progress:
+            # A session that named a TTL at every pause and now names none is not
+            # waiting on a tool: it is not expected back soon, so its pins end here.
+            self._release(rec.keys, rec.until)
         rec.since = now
+        rec.hinted = hinted_before
         rec.ttl = h.cache_ttl_s
         rec.keys = list(keys)
+        previous = rec.until
         if h.cache_ttl_s:
             # When the session is expected back: its hint, stretched by how far
             # hinted TTLs have run short of the pauses seen.
             rec.until = now + h.cache_ttl_s * self._stretch
-        elif rec.pause > 0.0:
+        elif rec.pause > 0.0 and not hinted_before:
             rec.until = now + 2.0 * rec.pause  # no hint: its own pauses so far
         else:
             return
-        self.pin_for(keys, rec.until)
+        self.pin_for(keys, rec.until, replacing=previous)
 
     def _learn(self, ratio: float) -> None:
         self._ratios.append(ratio)
@@ -655,6 +688,25 @@ class WorkflowPolicy(PolicyBase):
             # Most sessions back within their pin, never less than the hint, at most 4x it.
             self._stretch = min(max(ordered[int(0.8 * (len(ordered) - 1))], 1.0), 4.0)
 
+    def _release(self, keys: Sequence[int], until: float) -> None:
+        """End the pins a session set until ``until`` on its own ``keys`` (chain order)."""
+        expiry = self._expiry
+        tags = self._tags
+        resident = self._global
+        for key in reversed(keys):
+            if expiry.get(key) != until:
+                continue  # pinned later by someone else
+            tag = tags.get(key)
+            if tag is not None and tag.shared:
+                continue
+            del expiry[key]
+            self._overdue.pop(key, None)
+            self._late.pop(key, None)
+            if key in self._protected:
+                self._unprotect(key)
+            elif key in resident:
+                self._move(key)
+
     def end_session(self, session_id: str) -> bool:
         """The session ended: release its pins, its own blocks go first. False if unknown."""
         rec = self._sessions.pop(session_id, None)
@@ -664,6 +716,8 @@ class WorkflowPolicy(PolicyBase):
         tags = self._tags
         resident = self._global
         for key in reversed(rec.keys):
+            self._overdue.pop(key, None)
+            self._late.pop(key, None)
             if self._expiry.pop(key, None) is not None and key in self._protected:
                 self._unprotect(key)
             tag = tags.get(key)
@@ -698,23 +752,42 @@ class WorkflowPolicy(PolicyBase):
         """Size units TTL pins protect now."""
         return self._protected_used
 
-    def pin_for(self, keys: Iterable[int], until: float) -> None:
-        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go."""
+    def pin_for(self, keys: Iterable[int], until: float, replacing: float | None = None) -> None:
+        """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go.
+
+        A pin only ever lengthens, except that ``replacing`` names an earlier
+        pin of the same owner that this one supersedes: keys pinned until
+        exactly then, and used by no one else, take the new end even if it is
+        sooner (a session back early, due again soon).
+        """
+        tags = self._tags
         expiry = self._expiry
         heap = self._heap
         resident = self._global
         classes = self._classes
         class_of = self._class_of
+        overdue = self._overdue
+        # Past its end a pin still ranks its key by when it was due, for as long
+        # again: a session seldom comes back exactly on time, and one that is late
+        # is due any moment (one that never comes back is dropped after that).
+        late = until + max(until - self._now, 0.0)
         for key in keys:
-            if expiry.get(key, -1.0) >= until:
+            old = expiry.get(key, -1.0)
+            if old >= until and (old != replacing or old == until):
                 continue
+            if old > until:
+                tag = tags.get(key)
+                if tag is None or tag.shared:
+                    continue
             expiry[key] = until
-            heapq.heappush(heap, (until, key))
+            overdue.pop(key, None)
+            self._late[key] = late
+            heapq.heappush(heap, (until, -self._depth(key), key))
             if key in resident:
                 self._protect(key, until)
                 c = classes.get(class_of.get(key, DEFAULT))
                 if isinstance(c, _ByReturn):
-                    c.access(key)  # its pin ends later now: re-sort it
+                    c.access(key)  # its pin ends at another time now: re-sort it
 
     def _protect(self, key: int, until: float) -> None:
         if self._pin_state(key, until):
@@ -733,7 +806,7 @@ class WorkflowPolicy(PolicyBase):
         pheap = self._pheap
         if key in protected:
             protected[key] = (until, size)
-            heapq.heappush(pheap, (-until, key))
+            heapq.heappush(pheap, (-until, -self._depth(key), key))
             return False
         cap = int(self.pin_fraction * self.capacity)  # pin_cap
         if size > cap:
@@ -741,7 +814,7 @@ class WorkflowPolicy(PolicyBase):
         while self._protected_used + size > cap:
             # The pin that ends latest yields: a TTL is when the session is due back,
             # and MIN keeps what is needed soonest.
-            neg, victim = pheap[0]
+            neg, _, victim = pheap[0]
             entry = protected.get(victim)
             if entry is None or entry[0] != -neg:
                 heapq.heappop(pheap)  # stale
@@ -752,10 +825,10 @@ class WorkflowPolicy(PolicyBase):
             heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
-        heapq.heappush(pheap, (-until, key))
+        heapq.heappush(pheap, (-until, -self._depth(key), key))
         self._protected_used += size
         if len(pheap) > 4 * len(protected) + 64:
-            self._pheap = [(-u, k) for k, (u, _) in protected.items()]
+            self._pheap = [(-u, -self._depth(k), k) for k, (u, _) in protected.items()]
             heapq.heapify(self._pheap)
         return True
 
@@ -774,15 +847,30 @@ class WorkflowPolicy(PolicyBase):
         now = self._now
         heap = self._heap
         n = 0
+        expiry = self._expiry
+        overdue = self._overdue
         while heap and heap[0][0] <= now:
-            until, key = heapq.heappop(heap)
-            if self._expiry.get(key) == until:
-                del self._expiry[key]
-                if key in self._protected:
-                    self._unprotect(key)
-                    n += 1
-                elif key in self._global:
+            until, _, key = heapq.heappop(heap)
+            if overdue.get(key) == until:
+                # Late for as long as it was pinned: not coming back.
+                del overdue[key]
+                del expiry[key]
+                if key in self._global:
                     self._move(key)
+                continue
+            if expiry.get(key) != until or key in overdue:
+                continue  # stale
+            late = self._late.pop(key, until)
+            if late > until:
+                overdue[key] = late
+                heapq.heappush(heap, (late, -self._depth(key), key))
+            else:
+                del expiry[key]
+            if key in self._protected:
+                self._unprotect(key)
+                n += 1
+            elif key in self._global:
+                self._move(key)
         return n
 
     def _tick(self) -> None:
