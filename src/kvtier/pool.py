@@ -160,6 +160,16 @@ class BlockPool:
             return []
         return [first, *self._more_children.get(block, ())]
 
+    def parent_keys(self, blocks: Sequence[int]) -> list[int | None]:
+        """The key of each cached block's parent (``None`` for a chain's first block)."""
+        parent = self.parent
+        block_key = self.block_key
+        out: list[int | None] = []
+        for b in blocks:
+            p = parent[b]
+            out.append(block_key[p] if p >= 0 else None)
+        return out
+
     def _link(self, parent: int, child: int) -> None:
         self.parent[child] = parent
         if self.first_child[parent] < 0:

@@ -189,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window must be at least 1, got {args.window}")
     if args.model == "block" and args.window != 1:
         raise ConfigError("--window applies to the prefix model only")
+    if args.tier_blocks < 0:
+        raise ConfigError(f"--tier-blocks must be >= 0, got {args.tier_blocks}")
+    if args.model == "block" and args.tier_blocks:
+        raise ConfigError("--tier-blocks applies to the prefix model only")
     started = time.perf_counter()
     if args.trace is None:
         trace = load_sample_trace(block_size=args.block_size, limit=args.limit)
@@ -207,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         report = run_replay(
-            trace, policies, capacities, model=args.model, window=args.window, progress=bar
+            trace,
+            policies,
+            capacities,
+            model=args.model,
+            window=args.window,
+            progress=bar,
+            tier_blocks=args.tier_blocks,
+            tier_admission=args.tier_admission,
         )
     finally:
         bar.close()
@@ -350,6 +361,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         metavar="K",
         help="prefix model: requests live at once, oldest freed first (default 1)",
+    )
+    replay.add_argument(
+        "--tier-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefix model: a lower tier of N blocks (LRU) takes the device's evictions",
+    )
+    replay.add_argument(
+        "--tier-admission",
+        choices=("write-all", "predicted"),
+        default="write-all",
+        help="which evicted blocks the lower tier writes: all (default), or those the "
+        "learned-reuse policy predicts are worth their bytes",
     )
     replay.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     replay.add_argument(

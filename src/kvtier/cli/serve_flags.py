@@ -462,6 +462,14 @@ def _add_tiers(serve: argparse.ArgumentParser) -> None:
         "host and disk write back",
     )
     tiers.add_argument(
+        "--tier-admission",
+        choices=("write-all", "predicted"),
+        default="write-all",
+        help="which evicted blocks the first write-back tier stores: write-all (default) or "
+        "predicted (only blocks whose learned reuse makes a tier hit likely: fewer writes "
+        "to disk or host memory for about the same tier hits; needs --policy learned-reuse)",
+    )
+    tiers.add_argument(
         "--prefetch-lookahead",
         type=arg(non_negative_int, "step count"),
         default=0,

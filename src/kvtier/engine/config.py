@@ -220,6 +220,9 @@ class EngineConfig:
     tiers: tuple[TierSpec, ...] = ()
     #: ``None``: each tier's own default (shared media write through, local ones write back).
     write_mode: str | None = None
+    #: Which blocks the device evicts the first tier writes: ``write-all`` or
+    #: ``predicted`` (by learned reuse; needs the ``learned-reuse`` device policy).
+    tier_admission: str = "write-all"
     pressure: PressureSpec | None = None
     #: ``temperature`` / ``top_p`` for requests that leave them out (``None``: the model's).
     sampling_defaults: Mapping[str, float] | None = None
@@ -232,10 +235,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from kvtier.engine.model import resolve_dtype
+        from kvtier.offload.admission import ADMISSIONS
         from kvtier.offload.config import check_tier_order
         from kvtier.offload.tier import WRITE_MODES
 
         resolve_dtype(self.dtype)
+        if self.tier_admission not in ADMISSIONS:
+            raise ConfigError(
+                f"tier_admission must be one of {', '.join(ADMISSIONS)}, "
+                f"got {self.tier_admission!r}"
+            )
         if self.write_mode is not None and self.write_mode not in WRITE_MODES:
             raise ConfigError(
                 f"write_mode must be one of {', '.join(WRITE_MODES)}, got {self.write_mode!r}"

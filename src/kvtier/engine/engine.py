@@ -202,7 +202,15 @@ class Engine:
         )
         #: The chain of tiers below the device (``None`` without tiers).
         self.tier_chain: TierChain | None = (
-            TierChain(self.storage, self.manager, built, write_mode=write_mode) if built else None
+            TierChain(
+                self.storage,
+                self.manager,
+                built,
+                write_mode=write_mode,
+                tier_admission=config.tier_admission,
+            )
+            if built
+            else None
         )
         if self.tier_chain is not None:
             # Evictions are demoted once per step by the connector, not inside allocate.
@@ -367,6 +375,12 @@ class Engine:
                     f"{tier.name} tier: {tier.capacity} blocks ({size / 2**20:.0f} MiB, codec "
                     f"{tier.codec.name}, policy {tier.offload_manager.policy.name}, "
                     f"{tier.write_mode})"
+                )
+            admission = self.tier_chain.admission.name
+            if admission != "write-all":
+                lines.append(
+                    f"{self.tier_chain.tiers[0].name} tier admission: {admission} (evicted "
+                    "blocks are written only where the device policy predicts reuse)"
                 )
         if self.pressure is not None:
             p = self.pressure

@@ -64,6 +64,7 @@ from kvtier.errors import (
 from kvtier.manager import KVCacheManager
 from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload import swap
+from kvtier.offload.admission import TierAdmission, WriteAll, make_admission
 from kvtier.offload.compress import CompressionResult, compress
 from kvtier.offload.demote import Demoter
 from kvtier.offload.device_tier import DeviceStore
@@ -92,6 +93,7 @@ class TierChain:
         namespace: str | None = None,
         reconcile_interval_s: float = 30.0,
         reconcile_batch: int = 4096,
+        tier_admission: str | TierAdmission = "write-all",
     ) -> None:
         if write_mode is not None:
             mode = write_mode_of(write_mode, "write_back")
@@ -137,6 +139,8 @@ class TierChain:
         #: Queue device evictions for :meth:`demote_pending` instead of copying them inside
         #: the pool's ``allocate`` (an engine that flushes them before each write sets it).
         self.defer_demotions = False
+        #: Which device evictions the first tier writes (:mod:`kvtier.offload.admission`).
+        self.admission = self._make_admission(tier_admission)
         self._demotions: list[tuple[list[int], list[int]]] = []
         if self.tiers[0].writes_back:
             device_manager.add_evict_listener(self._on_device_evict)
@@ -174,6 +178,11 @@ class TierChain:
         for t, tier in enumerate(tiers):
             tier.counters.lookups += 1
             tier.counters.hit_blocks += plan.count(t)
+        admission = self.admission
+        if type(admission) is not WriteAll:
+            admission.hit([keys[j] for j, where in enumerate(plan) if where == 0])
+            if i < n:
+                admission.missed(keys[i])
         return plan
 
     def _probe_shared(self, keys: Sequence[int], i: int, probed: set[int]) -> int:
@@ -308,6 +317,41 @@ class TierChain:
         b.keys = [k for k in b.keys if k not in keys]
 
     # -- demote ------------------------------------------------------------------------
+    def _make_admission(self, rule: str | TierAdmission) -> TierAdmission:
+        if isinstance(rule, TierAdmission):
+            admission = rule
+        else:
+            first = self.tiers[0]
+            size = first.fmt.payload_size if first.fmt is not None else 1
+            admission = make_admission(
+                rule,
+                self.device_manager.policy,
+                capacity_bytes=first.capacity * size,
+                typical_size=size,
+            )
+        if type(admission) is not WriteAll:
+            # The rule learns from what the first tier serves, misses and evicts.
+            self._demoter.on_evicted = self._tier_evicted
+        return admission
+
+    def _admit(self, keys: list[int], blocks: list[int]) -> tuple[list[int], list[int]]:
+        """The evicted blocks the admission rule writes (decided while the pool still
+        links each block to its parent)."""
+        parents = self.device_manager.pool.parent_keys(blocks)
+        fmt = self.tiers[0].fmt
+        size = fmt.payload_size if fmt is not None else 1
+        write = self.admission.decide(
+            keys, parents, [size] * len(keys), self.device_manager.clock()
+        )
+        if all(write):
+            return keys, blocks
+        kept = [i for i, ok in enumerate(write) if ok]
+        return [keys[i] for i in kept], [blocks[i] for i in kept]
+
+    def _tier_evicted(self, t: int, keys: list[int]) -> None:
+        if t == 0:
+            self.admission.left(keys)
+
     def _on_device_evict(self, keys: list[int], blocks: list[int]) -> None:
         """Pool listener: demote evicted blocks to the first tier before they are rewritten.
 
@@ -315,6 +359,10 @@ class TierChain:
         pool's ``allocate`` does no copy) and :meth:`demote_pending` copies a
         step's evictions in one batch before anything writes those blocks.
         """
+        if type(self.admission) is not WriteAll:
+            keys, blocks = self._admit(keys, blocks)
+            if not keys:
+                return
         if self.defer_demotions:
             self._demotions.append((list(keys), list(blocks)))
             return
@@ -323,7 +371,15 @@ class TierChain:
     def _demote(self, keys: list[int], blocks: list[int]) -> None:
         try:
             with self._lock:
+                learning = type(self.admission) is not WriteAll
+                if learning:
+                    mgr = self.tiers[0].offload_manager
+                    new = [k for k in keys if k not in mgr]
                 self._demoter.store_blocks(0, keys, blocks)
+                if learning:
+                    stored = [k for k in new if k in mgr]
+                    if stored:
+                        self.admission.stored(stored, self.device_manager.clock())
         except Exception:  # a failed demotion must never break the pool's eviction
             log.exception("demoting %d evicted blocks failed; they are lost", len(keys))
             self.tiers[0].counters.store_failures += len(keys)
@@ -563,6 +619,8 @@ class TierChain:
                 stored = tier.fmt.payload_size if tier.fmt is not None else device_bytes
                 d["compression_ratio"] = device_bytes / stored
                 d["bytes_saved"] = len(tier.offload_manager) * (device_bytes - stored)
+                if tier is self.tiers[0] and type(self.admission) is not WriteAll:
+                    d["admission_skipped_blocks"] = self.admission.skipped
                 out[tier.name] = d
             return out
 

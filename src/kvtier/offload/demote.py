@@ -13,7 +13,7 @@ store and when; this module only stores.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,6 +36,9 @@ class Demoter:
         self.transfer = transfer
         #: Background writes in flight: job id -> (tier, keys, bytes).
         self.pending: dict[int, tuple[int, list[int], int]] = {}
+        #: Told ``(tier, keys)`` when a store makes a tier evict keys (tier admission learns
+        #: from blocks that leave unread).
+        self.on_evicted: Callable[[int, list[int]], None] | None = None
 
     def store_blocks(
         self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
@@ -84,6 +87,8 @@ class Demoter:
         tier.counters.dropped_blocks += len(keys) - kept
         if not out.keys_to_store and not out.evicted_keys:
             return
+        if out.evicted_keys and self.on_evicted is not None:
+            self.on_evicted(t, out.evicted_keys)
         # Evicted blocks go down a tier; read them before their slots are reused.
         if out.evicted_keys and cascade and self.next_writes_back(t):
             self.cascade(t, out.evicted_keys, out.evicted_slots)

@@ -42,6 +42,12 @@ class, and victims go oldest insert or use first.
 
 Keys the owner inserts that the current request did not name (generated
 tokens) join the current request's chain. Time only moves with ``now``.
+
+The learned tables also answer, read-only, for a lower tier deciding what
+to write (:mod:`kvtier.offload.admission`): :meth:`~LearnedReusePolicy.predicted_reuse`,
+:meth:`~LearnedReusePolicy.reuse_probability` and
+:meth:`~LearnedReusePolicy.was_reused`, for resident keys and keys the history
+still remembers (a block just evicted). Asking changes no decision.
 """
 
 from __future__ import annotations
@@ -144,6 +150,7 @@ class _Rec:
         "hist",
         "keys",
         "live",
+        "matched",
         "parked",
         "queued",
         "res",
@@ -175,6 +182,8 @@ class _Rec:
         self.live = True
         #: In the recency queue.
         self.queued = False
+        #: Leading keys of the chain that were in the history when it came (used again).
+        self.matched = 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -285,6 +294,7 @@ class LearnedReusePolicy(PolicyBase):
                 turn = prev.turn + 1
         cls = request_class(turn, n - m)
         rec = _Rec(cls, now, turn, list(keys))
+        rec.matched = m
         self._credit(keys, m, rec)
         self._adopt(keys, m, rec)
         self._wheel[0].append(rec)
@@ -900,6 +910,73 @@ class LearnedReusePolicy(PolicyBase):
         """The class of the request a resident key belongs to, or ``None``."""
         r = self._res.get(key)
         return None if r is None else r.cls
+
+    def _record_of(self, key: int) -> _Rec | None:
+        """The record ``key`` belongs to: resident, or remembered by the history."""
+        r = self._res.get(key)
+        return r if r is not None else self._hist.get(key)
+
+    def predicted_reuse(self, key: int) -> float | None:
+        """The value eviction gives ``key`` now (hits per block-second), or ``None``.
+
+        Answers for resident keys and for keys the history still remembers
+        (a block just evicted, for a lower tier deciding whether to keep it);
+        ``None`` for keys it has never seen or has forgotten.
+        """
+        r = self._record_of(key)
+        if r is None:
+            return None
+        return self._value[r.cls][age_bin(self._now - r.time)]
+
+    def was_reused(self, key: int) -> bool | None:
+        """Whether ``key`` was used again after the request that computed it, or ``None``.
+
+        True when its latest request found it in the history (a prefix match)
+        or it was used outside any request; ``None`` for unknown keys.
+        """
+        r = self._record_of(key)
+        if r is None:
+            return None
+        if r.turn == 0:
+            return True  # a record of uses outside the requests
+        keys = r.keys
+        if not r.hist:
+            return None  # its chain was forgotten
+        return any(keys[i] == key for i in range(min(r.matched, len(keys))))
+
+    def reuse_probability(self, key: int, horizon: float) -> float | None:
+        """The learned probability that ``key`` is used within the next ``horizon`` seconds.
+
+        From the same hazards the eviction values come from: the key's
+        class, at its current age, over the age bins the horizon spans (a
+        bin partly covered counts for the covered share of its hazard).
+        ``None`` when the key is unknown (see :meth:`predicted_reuse`).
+        """
+        r = self._record_of(key)
+        if r is None:
+            return None
+        hazard = self._hazard[r.cls]
+        age = self._now - r.time
+        if age < 0.0:
+            age = 0.0
+        end = age + (horizon if horizon > 0.0 else 0.0)
+        surv = 1.0
+        b = age_bin(age)
+        last = _B - 1
+        while b <= last and surv > 0.0:
+            lo = _EDGES[b]
+            hi = _ENDS[b]
+            start = age if age > lo else lo
+            stop = end if end < hi else hi
+            if stop > start:
+                h = hazard[b]
+                if h >= 1.0:
+                    return 1.0
+                surv *= (1.0 - h) ** ((stop - start) / (hi - lo))
+            if end <= hi:
+                break
+            b += 1
+        return 1.0 - surv
 
 
 def _used(owner: _Rec, count: int, hits: list[list[float]]) -> None:

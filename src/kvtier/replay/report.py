@@ -45,6 +45,9 @@ class ReplayReport:
     load_seconds: float = 0.0
     elapsed_seconds: float = 0.0
     block_accesses: int = 0
+    #: The lower tier under the device (prefix model), in blocks; 0: none.
+    tier_blocks: int = 0
+    tier_admission: str = "write-all"
 
     def gap_points(self, result: RunResult) -> float:
         """MIN's block hit ratio minus the policy's, in percentage points."""
@@ -76,12 +79,16 @@ def run_replay(
     model: Model = "prefix",
     window: int = 1,
     progress: ProgressBar | None = None,
+    tier_blocks: int = 0,
+    tier_admission: str = "write-all",
 ) -> ReplayReport:
     """Replay ``trace`` for every policy at every capacity, plus MIN at each capacity."""
     if not policies:
         raise ConfigError("give at least one policy")
     points = resolve_capacities(trace, capacities)
     report = ReplayReport(trace, model, window, points, list(policies))
+    report.tier_blocks = tier_blocks
+    report.tier_admission = tier_admission
     report.block_accesses = int(sum(access_sequence(trace, model)[1]))
     start = time.perf_counter()
     tick = progress.advance if progress is not None else None
@@ -90,7 +97,16 @@ def run_replay(
         for name in policies:
             if progress is not None:
                 progress.set_label(f"{name} @ {point.blocks} blocks")
-            result = simulate(trace, name, point.blocks, model, window=window, tick=tick)
+            result = simulate(
+                trace,
+                name,
+                point.blocks,
+                model,
+                window=window,
+                tick=tick,
+                tier_blocks=tier_blocks,
+                tier_admission=tier_admission,
+            )
             report.results.append(result)
             report.cells[(name, point.blocks)] = result
     report.elapsed_seconds = time.perf_counter() - start
@@ -121,6 +137,21 @@ def _row(report: ReplayReport, r: RunResult, point: CapacityPoint) -> dict[str, 
     }
     for key, value in r.extra.items():
         row[key] = value
+    t = r.tier
+    if t is not None:
+        row["tier"] = {
+            "capacity_blocks": t.capacity_blocks,
+            "admission": t.admission,
+            "device_hit_ratio": round(r.device_hit_ratio, 6),
+            "tier_hit_ratio": round(r.tier_hit_ratio, 6),
+            "offered_blocks": t.offered_blocks,
+            "written_blocks": t.written_blocks,
+            "skipped_blocks": t.skipped_blocks,
+            "hit_blocks": t.hit_blocks,
+            "bytes_written": t.bytes_written,
+            "block_bytes": t.block_bytes,
+            "bytes_per_hit": t.bytes_per_hit if t.hit_blocks else None,
+        }
     return row
 
 
@@ -233,7 +264,30 @@ def format_table(report: ReplayReport) -> str:
                 f"At {point.blocks} blocks, {skipped} requests did not fit in the cache; "
                 "they count as misses."
             )
+    if report.tier_blocks:
+        lines += ["", *_tier_lines(report)]
     lines.append(
         f"loaded in {report.load_seconds:.2f}s, replayed in {report.elapsed_seconds:.2f}s"
     )
     return "\n".join(lines)
+
+
+def _tier_lines(report: ReplayReport) -> list[str]:
+    """The lower tier's columns: hits per level, writes and bytes written per tier hit."""
+    out = [
+        f"lower tier: {report.tier_blocks} blocks (LRU), admission {report.tier_admission}; "
+        "hit ratios are prompt tokens served from each level over prompt tokens",
+        f"{'policy':<14} {'capacity':>10} {'device hit':>10} {'tier hit':>9} "
+        f"{'tier writes':>11} {'tier hits':>10} {'bytes/tier hit':>14}",
+    ]
+    for r in report.results:
+        t = r.tier
+        if t is None:
+            continue
+        per_hit = _si(t.bytes_per_hit) + "B" if t.hit_blocks else "-"
+        out.append(
+            f"{r.policy:<14} {r.capacity_blocks:>10} {100 * r.device_hit_ratio:>9.2f}% "
+            f"{100 * r.tier_hit_ratio:>8.2f}% {t.written_blocks:>11} {t.hit_blocks:>10} "
+            f"{per_hit:>14}"
+        )
+    return out

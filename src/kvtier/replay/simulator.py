@@ -10,7 +10,10 @@ implementation of a policy):
   while later requests allocate, as in a batch. Hits are what the manager
   reports: the longest cached prefix. Only full prompt blocks are cached, as
   in serving; a request that cannot fit even in an empty cache is skipped
-  (counted, its blocks counted as misses).
+  (counted, its blocks counted as misses). With ``tier_blocks`` a lower tier
+  (:mod:`kvtier.replay.tiers`) takes the device's evictions under a tier
+  admission rule, and a request's hit continues on it after the device
+  prefix.
 * ``block`` (the block-level model of cache simulators such as libCacheSim):
   every block of every request, in order, is one ``get`` on a cache of
   ``capacity`` blocks: a resident key is a hit (``policy.access``); a missing
@@ -47,6 +50,7 @@ from kvtier.manager import Allocation, KVCacheManager
 from kvtier.policy.base import PolicyBase, request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.replay.belady import belady_min
+from kvtier.replay.tiers import ReplayTier, TierCounters
 from kvtier.replay.traces import Trace, TraceRequest
 
 Model = Literal["prefix", "block"]
@@ -77,6 +81,8 @@ class RunResult:
     cascade_evictions: int = 0
     seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    #: The lower tier's counters (prefix model with ``tier_blocks``), else ``None``.
+    tier: TierCounters | None = None
 
     @property
     def block_hit_ratio(self) -> float:
@@ -89,6 +95,21 @@ class RunResult:
     @property
     def token_hit_ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tier_hit_ratio(self) -> float:
+        """Prompt tokens served from the lower tier over prompt tokens."""
+        t = self.tier
+        return t.hit_tokens / self.prompt_tokens if t is not None and self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_ratio(self) -> float:
+        """Prompt tokens served from the device over prompt tokens."""
+        t = self.tier
+        tier_tokens = t.hit_tokens if t is not None else 0
+        return (
+            (self.cached_tokens - tier_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+        )
 
     @property
     def ops_per_s(self) -> float:
@@ -312,9 +333,19 @@ def simulate_prefix(
     *,
     window: int = 1,
     tick: Tick | None = None,
+    tier_blocks: int = 0,
+    tier_admission: str = "write-all",
+    tier_threshold: float | None = None,
 ) -> RunResult:
-    """The prefix model: each request is allocated and freed on a real KVCacheManager."""
+    """The prefix model: each request is allocated and freed on a real KVCacheManager.
+
+    With ``tier_blocks`` a lower tier of that many blocks takes the device's
+    evictions under ``tier_admission`` (see :mod:`kvtier.replay.tiers`), and
+    a request's hit continues on it after the device prefix.
+    """
     check_capacity(capacity)
+    if not isinstance(tier_blocks, int) or isinstance(tier_blocks, bool) or tier_blocks < 0:
+        raise ConfigError(f"--tier-blocks must be >= 0 blocks, got {tier_blocks!r}")
     if not isinstance(window, int) or window < 1:
         raise ConfigError(f"window must be a positive number of live requests, got {window!r}")
     bs = trace.block_size
@@ -324,6 +355,11 @@ def simulate_prefix(
     # The pool's own lookup: one call per block instead of two through the manager.
     cached_block = manager.pool.cached_block
     result = RunResult(manager.stats().policy, "prefix", capacity)
+    lower: ReplayTier | None = None
+    if tier_blocks:
+        lower = ReplayTier(
+            manager, tier_blocks, clock, admission=tier_admission, threshold=tier_threshold
+        )
     live: deque[int] = deque()
     since_tick = 0
 
@@ -349,6 +385,11 @@ def simulate_prefix(
         result.block_accesses += n_keys
         result.prefix_blocks += n_keys
         result.prompt_tokens += n
+        from_tier = 0
+        if lower is not None:
+            # Looked up before allocate, whose evictions go down to the tier.
+            limit = (n - 1) // bs  # the last prompt token is always computed
+            from_tier = lower.serve(keys, manager.device_hits(keys[:limit]), limit)
         alloc: Allocation | None = None
         while alloc is None:
             try:
@@ -362,6 +403,9 @@ def simulate_prefix(
             result.skipped_requests += 1
         else:
             cached = alloc.num_cached_tokens
+            if from_tier and lower is not None:
+                cached += from_tier * bs
+                lower.served(from_tier, bs)
             result.block_hits += resident
             result.prefix_hit_blocks += cached // bs
             result.cached_tokens += cached
@@ -395,6 +439,8 @@ def simulate_prefix(
         "duplicate_blocks": float(stats.duplicate_blocks),
         "declined_blocks": float(stats.declined_blocks),
     }
+    if lower is not None:
+        result.tier = lower.counters
     return result
 
 
@@ -406,12 +452,24 @@ def simulate(
     *,
     window: int = 1,
     tick: Tick | None = None,
+    tier_blocks: int = 0,
+    tier_admission: str = "write-all",
 ) -> RunResult:
     """Replay ``trace`` under one policy and capacity in the chosen model."""
     if model == "prefix":
-        return simulate_prefix(trace, policy_name, capacity, window=window, tick=tick)
+        return simulate_prefix(
+            trace,
+            policy_name,
+            capacity,
+            window=window,
+            tick=tick,
+            tier_blocks=tier_blocks,
+            tier_admission=tier_admission,
+        )
     if model == "block":
         if window != 1:
             raise ConfigError("--window applies to the prefix model only")
+        if tier_blocks:
+            raise ConfigError("--tier-blocks applies to the prefix model only")
         return simulate_block(trace, policy_name, capacity, tick=tick)
     raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
