@@ -29,7 +29,9 @@ from tiny_model import tiny_llama_config, tiny_tokenizer  # noqa: E402
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.sampling import Sampler  # noqa: E402
 from kvtier.errors import BadRequestError  # noqa: E402
+from kvtier.server.grammar import MAX_FORCED_CALLS  # noqa: E402
 from kvtier.server.tools import (  # noqa: E402
+    StreamEvent,
     ToolCallStream,
     hermes_call_text,
     parse_tool_calls,
@@ -338,55 +340,110 @@ def test_a_conversation_with_calls_and_results_runs(client: Any) -> None:
 # -- constrained calls ---------------------------------------------------------------------
 
 
+def forced_body() -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 600,
+        "temperature": 1.0,
+    }
+
+
+def forced(client: Any, **kwargs: Any) -> Any:
+    """A constrained chat answer (``tool_choice`` defaults to ``"required"``)."""
+    return client.chat.completions.create(**{**forced_body(), **kwargs})
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_required_gives_a_call_that_follows_its_schema(client: Any, seed: int) -> None:
-    r = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=300,
-        temperature=1.0,
-        seed=seed,
-    )
+def test_required_gives_calls_that_follow_their_schemas(client: Any, seed: int) -> None:
+    r = forced(client, seed=seed)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.id.startswith("call_") and call.type == "function"
-    assert call.function.name in SCHEMAS
-    check_arguments(call.function.name, call.function.arguments)
+    calls = choice.message.tool_calls
+    assert calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in SCHEMAS
+        check_arguments(call.function.name, call.function.arguments)
+
+
+def test_parallel_calls_off_gives_exactly_one(client: Any) -> None:
+    for seed in (1, 2, 3, 4):
+        choice = forced(client, seed=seed, parallel_tool_calls=False).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        check_arguments(call.function.name, call.function.arguments)
+
+
+def test_parallel_forced_answers_may_hold_several_calls(client: Any) -> None:
+    """Over a few seeds the random model writes one call and stops, or goes on to more."""
+    counts = set()
+    for seed in range(1, 9):
+        choice = forced(client, seed=seed, max_tokens=1000).choices[0]
+        if choice.finish_reason == "tool_calls":
+            counts.add(len(choice.message.tool_calls))
+            for call in choice.message.tool_calls:
+                check_arguments(call.function.name, call.function.arguments)
+    assert 1 in counts and max(counts) >= 2, counts
 
 
 def test_a_named_function_is_the_one_called_even_greedily(client: Any) -> None:
     for temperature in (0.0, 1.0):
-        r = client.chat.completions.create(
-            model=MODEL,
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-            max_tokens=300,
-            temperature=temperature,
-            seed=7,
-            n=2,
-        )
-        for choice in r.choices:
-            assert choice.finish_reason == "tool_calls"
-            (call,) = choice.message.tool_calls
-            assert call.function.name == "get_time"
-            check_arguments("get_time", call.function.arguments)
+        for parallel in (True, False):
+            r = forced(
+                client,
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+                temperature=temperature,
+                parallel_tool_calls=parallel,
+                seed=7,
+                n=2,
+                max_tokens=1000,  # room for MAX_FORCED_CALLS calls when greedy repeats one
+            )
+            for choice in r.choices:
+                assert choice.finish_reason == "tool_calls"
+                calls = choice.message.tool_calls
+                assert calls and len(calls) <= (MAX_FORCED_CALLS if parallel else 1)
+                for call in calls:
+                    assert call.function.name == "get_time"
+                    check_arguments("get_time", call.function.arguments)
 
 
-def test_a_streamed_required_call_arrives_in_openai_deltas(client: Any) -> None:
+@pytest.mark.parametrize(("seed", "parallel"), [(11, True), (12, False), (13, True)])
+def test_a_streamed_forced_answer_accumulates_to_the_whole_answer(
+    client: Any, seed: int, parallel: bool
+) -> None:
+    """The client's stream helper, adding up the deltas, gets the non-streamed answer."""
+    kwargs: dict[str, Any] = {"seed": seed, "parallel_tool_calls": parallel}
+    whole = forced(client, **kwargs).choices[0]
+    pieces: dict[int, int] = {}
+    with client.chat.completions.stream(**{**forced_body(), **kwargs}) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces[event.index] = pieces.get(event.index, 0) + 1
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert not final.message.content
+    streamed = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    for name, arguments in streamed:
+        check_arguments(name, arguments)
+    # The arguments came in many pieces, not one per call.
+    assert sorted(pieces) == list(range(len(streamed)))
+    assert all(n > 3 for n in pieces.values()), pieces
+
+
+def test_streamed_call_deltas_have_openai_shape(client: Any) -> None:
     stream = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=300,
-        temperature=1.0,
-        seed=11,
-        stream=True,
+        **{
+            **forced_body(),
+            "seed": 11,
+            "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+        }
     )
     deltas = []
     finish = None
@@ -399,9 +456,56 @@ def test_a_streamed_required_call_arrives_in_openai_deltas(client: Any) -> None:
     assert finish == "tool_calls" and content == ""
     first, *rest = deltas
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
-    assert first.function.name == "get_weather" and not first.function.arguments
-    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
-    check_arguments("get_weather", "".join(d.function.arguments for d in rest))
+    assert first.function.name == "get_weather"
+    assert len(rest) > 3
+    assert all(d.index == 0 and d.id is None and d.type is None for d in rest)
+    assert all(d.function.name is None and d.function.arguments for d in rest)
+    check_arguments(
+        "get_weather",
+        (first.function.arguments or "") + "".join(d.function.arguments for d in rest),
+    )
+
+
+def test_the_grammar_admits_one_or_more_calls_then_the_end() -> None:
+    """The compiled grammar itself, token by token (the tiny tokenizer is one char a token)."""
+    from kvtier.server.grammar import ToolGrammars
+
+    tok = tiny_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    grammars = ToolGrammars(tok, len(tok), [eos])
+    one = hermes_call_text("get_time", {"zone": "UTC"})
+    two = one + hermes_call_text("get_weather", {"city": "Oslo", "days": 2, "metric": False})
+
+    def run(req: Any, text: str) -> tuple[bool, bool]:
+        """Whether the grammar takes every token of ``text``, then whether it takes EOS."""
+        constraint = grammars.constraint_for(req)()
+        for t in tok.encode(text, add_special_tokens=False):
+            try:
+                constraint.accept(t)
+            except RuntimeError:
+                return False, False
+        try:
+            constraint.accept(eos)
+        except RuntimeError:
+            return True, False
+        return True, constraint.is_terminated()
+
+    required = tool_request(TOOLS, "required", None)
+    assert run(required, one) == (True, True)
+    assert run(required, two) == (True, True)
+    assert run(required, two + one) == (True, True)
+    assert run(required, one + "\n")[0] is False  # nothing between or after the blocks
+    assert run(required, "")[1] is False  # no call: the end is refused
+    assert run(required, one.replace(": ", ":"))[0] is False  # compact JSON only
+    single = tool_request(TOOLS, "required", False)
+    assert run(single, one) == (True, True)
+    assert run(single, two)[0] is False
+    named = tool_request(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert run(named, one + one) == (True, True)
+    assert run(named, two)[0] is False
+    most = one * MAX_FORCED_CALLS
+    assert run(required, most) == (True, True)
+    assert run(required, most + one)[0] is False  # no more calls past the cap
 
 
 def test_tool_choice_none_gives_text_from_a_prompt_without_tools(client: Any) -> None:
@@ -491,6 +595,76 @@ _args = st.dictionaries(_tagged_text, _json, max_size=4)
 _names = st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True)
 _calls = st.lists(st.tuples(_names, _args), min_size=1, max_size=4)
 _plain = st.text(max_size=40).filter(lambda t: "<tool_call>" not in t)
+#: Pieces of calls, broken calls and JSON, to make text that is sometimes a call.
+_fragments = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "\n",
+        " ",
+        '{"name": "f", "arguments": ',
+        '{"arguments": {}, "name": "g"}',
+        '"{\\"a\\": 1}"',
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "\\",
+        "<",
+        ", ",
+        '"a": 1',
+        '"s": "x</tool_call>y"',
+        "hi",
+    ]
+)
+#: Blocks that open like calls, or almost, with arguments that may break anywhere.
+_block_like = st.tuples(
+    st.sampled_from(["", "\n", " "]),
+    st.sampled_from(
+        [
+            '{"name": "f", "arguments": ',
+            '{"name":"g","arguments":',
+            '{"arguments": {}, "name": "g"}',
+            '{"name": "f", "arguments": "{\\"a\\": 1}"}',
+            '{"name": "',
+            "nope",
+            "",
+        ]
+    ),
+    st.lists(
+        _fragments | st.sampled_from(["{}", '{"a": 1}', '{"b": [1, "</tool_call>"]}']), max_size=6
+    ),
+    st.sampled_from(["</tool_call>", "", "}\n</tool_call>", "}}</tool_call>"]),
+).map(lambda p: "<tool_call>" + p[0] + p[1] + "".join(p[2]) + p[3])
+_noise = st.lists(_block_like | _fragments | st.text(max_size=3), max_size=12).map("".join)
+
+
+def _cuts(text: str, points: list[int]) -> list[str]:
+    bounds = sorted({0, len(text), *(p % (len(text) + 1) for p in points)})
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _stream(pieces: list[str], max_calls: int | None = None) -> tuple[str, list[Any], list[Any]]:
+    """The content, the calls as ``(id, name, arguments)`` added up from their
+    pieces, and the events of streaming ``pieces``."""
+    stream = ToolCallStream(max_calls)
+    events = []
+    for piece in pieces:
+        events += stream.feed(piece)
+    events += stream.finish()
+    content = "".join(e.content or "" for e in events)
+    calls: list[list[str]] = []
+    for e in events:
+        if e.content is not None:
+            continue
+        if e.id is not None:
+            assert e.index == len(calls) and e.name
+            calls.append([e.id, e.name, ""])
+        assert e.index == len(calls) - 1  # pieces belong to the latest call
+        calls[-1][2] += e.arguments or ""
+    assert [tuple(c) for c in calls] == [(c.id, c.name, c.arguments) for c in stream.tool_calls]
+    return content, [tuple(c) for c in calls], events
 
 
 @given(_plain, _calls, st.sampled_from(["\n", "", "\n\n"]))
@@ -526,14 +700,35 @@ def test_blocks_that_are_not_calls_stay_text() -> None:
     assert [(c.name, c.arguments) for c in parse_tool_calls(text)[1]] == [
         ("f", '{"s": "a</tool_call>b"}')
     ]
+    _, calls_streamed, _ = _stream([text[:-3], text[-3:]])
+    assert [c[1:] for c in calls_streamed] == [("f", '{"s": "a</tool_call>b"}')]
+
+
+def test_a_call_opened_the_usual_way_streams_its_arguments() -> None:
     stream = ToolCallStream()
-    events = stream.feed(text[:-3]) + stream.feed(text[-3:]) + stream.finish()
-    assert [e.call.arguments for e in events if e.call] == ['{"s": "a</tool_call>b"}']
+    assert stream.feed("Sure.\n<tool_call>\n") == [StreamEvent(content="Sure.")]
+    assert stream.feed('{"name": "get_wea') == []  # the name is not known yet
+    (head,) = stream.feed('ther", "arguments": {"city": "Pa')
+    assert head.id is not None and head.id.startswith("call_") and head.index == 0
+    assert (head.name, head.arguments) == ("get_weather", '{"city": "Pa')
+    assert stream.feed('ris", "note": "}<tool_call>') == [
+        StreamEvent(index=0, arguments='ris", "note": "}<tool_call>')
+    ]
+    assert stream.feed('"}}\n</tool_') == [StreamEvent(index=0, arguments='"}')]
+    assert stream.feed("call>\n") == []
+    assert stream.finish() == []
+    (call,) = stream.tool_calls
+    assert (call.id, call.name) == (head.id, "get_weather")
+    assert json.loads(call.arguments) == {"city": "Paris", "note": "}<tool_call>"}
 
 
-def _cuts(text: str, points: list[int]) -> list[str]:
-    bounds = sorted({0, len(text), *(p % (len(text) + 1) for p in points)})
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+def test_a_call_cut_short_keeps_what_was_written() -> None:
+    """As OpenAI's API does when a call runs out of tokens: its arguments are partial."""
+    content, calls = parse_tool_calls('Hi <tool_call>{"name": "f", "arguments": {"a": [1, ')
+    assert content == "Hi" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": [1, ')]
+    # A tag outside a string ends broken arguments; the rest of the block is dropped.
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": </tool_call> b')
+    assert content == "b" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": ')]
 
 
 @given(
@@ -547,20 +742,77 @@ def test_streamed_parsing_agrees_with_whole_text_parsing(
     prefix: str, calls: list[tuple[str, Any]], suffix: str, points: list[int]
 ) -> None:
     text = prefix + "".join(hermes_call_text(n, a) for n, a in calls) + suffix
-    stream = ToolCallStream()
-    events = []
-    for piece in _cuts(text, points):
-        events += stream.feed(piece)
-    events += stream.finish()
-    content = "".join(e.content or "" for e in events)
-    streamed = [(e.call.name, e.call.arguments) for e in events if e.call is not None]
-    assert [e.index for e in events if e.call is not None] == list(range(len(streamed)))
+    content, streamed, _ = _stream(_cuts(text, points))
     whole_content, whole = parse_tool_calls(text)
-    assert streamed == [(c.name, c.arguments) for c in whole]
+    assert [c[1:] for c in streamed] == [(c.name, c.arguments) for c in whole]
+    assert [(n, json.loads(a)) for _, n, a in streamed] == calls
     if whole:
         assert content.strip() == (whole_content or "")
     else:
         assert content == text
+
+
+@given(_noise, st.lists(st.integers(0, 10_000), max_size=12), st.sampled_from([None, 1, 2]))
+@settings(max_examples=300, deadline=None)
+def test_any_text_parses_the_same_however_it_is_cut(
+    text: str, points: list[int], max_calls: int | None
+) -> None:
+    content, streamed, _ = _stream(_cuts(text, points), max_calls)
+    whole_content, whole, _ = _stream([text], max_calls)
+    assert [c[1:] for c in streamed] == [c[1:] for c in whole]
+    assert content == whole_content
+    parsed_content, parsed = parse_tool_calls(text, max_calls)
+    assert [(c.name, c.arguments) for c in parsed] == [c[1:] for c in whole]
+    assert parsed_content == ((content.strip() if whole else content) or None)
+    assert max_calls is None or len(whole) <= max_calls
+
+
+@given(
+    _plain,
+    st.lists(st.tuples(_names, _args), max_size=3),
+    st.lists(st.integers(0, 10_000), max_size=12),
+)
+@settings(max_examples=100, deadline=None)
+def test_the_openai_client_adds_streamed_deltas_up_to_the_whole_answer(
+    prefix: str, calls: list[tuple[str, Any]], points: list[int]
+) -> None:
+    """Deltas as the server sends them, added up by the official client's stream state."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from kvtier.server.streaming import _event_deltas
+
+    text = prefix + "\n".join(hermes_call_text(n, a) for n, a in calls)
+    stream = ToolCallStream()
+    state = ChatCompletionStreamState()
+
+    def send(delta: dict[str, Any], finish: str | None = None) -> None:
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+
+    send({"role": "assistant", "content": ""})
+    for piece in _cuts(text, points):
+        for event in stream.feed(piece):
+            for delta in _event_deltas(event):
+                send(delta)
+    for event in stream.finish():
+        for delta in _event_deltas(event):
+            send(delta)
+    send({}, "tool_calls" if stream.calls else "stop")
+    message = state.get_final_completion().choices[0].message
+    content, whole = parse_tool_calls(text)
+    got = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert got == [(c.name, c.arguments) for c in whole]
+    if whole:
+        assert (message.content or "").strip() == (content or "")
+    else:
+        assert (message.content or "") == text
 
 
 def test_text_that_may_begin_a_call_is_held_back() -> None:
@@ -568,8 +820,15 @@ def test_text_that_may_begin_a_call_is_held_back() -> None:
     assert [e.content for e in stream.feed("Hi <tool")] == ["Hi"]
     assert [e.content for e in stream.feed("box> there")] == [" <toolbox> there"]
     (event,) = stream.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')
-    assert event.call is not None and event.call.name == "f" and event.index == 0
+    assert (event.name, event.arguments, event.index) == ("f", "{}", 0)
     assert stream.finish() == []  # the trailing newline of an answer with a call
     unfinished = ToolCallStream()
     assert unfinished.feed('<tool_call>{"name": "f"') == []
     assert [e.content for e in unfinished.finish()] == ['<tool_call>{"name": "f"']
+
+
+def test_calls_past_the_limit_are_not_sent() -> None:
+    text = hermes_call_text("f", {"a": 1}) + "\n" + hermes_call_text("g", {"b": 2})
+    content, calls, events = _stream(list(text), max_calls=1)
+    assert [c[1:] for c in calls] == [("f", '{"a": 1}')] and content == ""
+    assert {e.index for e in events} == {0}

@@ -1,14 +1,16 @@
 """Constrained decoding of tool calls with xgrammar.
 
 For ``tool_choice`` ``"required"`` or a named function the answer must be
-a call. :class:`ToolGrammars` compiles, per request, a grammar for exactly
-one Hermes block, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+calls. :class:`ToolGrammars` compiles, per request, a grammar for Hermes
+blocks, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
 whose JSON follows the called tool's parameter schema (any of the tools for
-``"required"``), followed by an end-of-sequence token. Each sequence gets
-an :class:`XGrammarConstraint` (a
-:class:`~kvtier.engine.sampling.TokenConstraint`): before every token it
-fills xgrammar's bitmask of the tokens the grammar allows and sets the
-other logits to ``-inf``, so even a random model writes a well-formed call.
+``"required"``), followed by an end-of-sequence token: one block or more
+(at most :data:`MAX_FORCED_CALLS`, back to back) when ``parallel_tool_calls``
+is on (OpenAI's default), exactly one when it is off. Each sequence gets an
+:class:`XGrammarConstraint` (a :class:`~kvtier.engine.sampling.TokenConstraint`):
+before every token it fills xgrammar's bitmask of the tokens the grammar
+allows and sets the other logits to ``-inf``, so even a random model writes
+well-formed calls.
 
 The JSON is written compactly (``", "`` and ``": "`` separators, no other
 whitespace): free whitespace would let a weak model pad forever. xgrammar
@@ -43,6 +45,38 @@ def call_schema(tools: Iterable[ToolSpec]) -> dict[str, Any]:
     if len(options) == 1:
         return options[0]
     return {"anyOf": options}
+
+
+#: Most calls in one constrained answer with ``parallel_tool_calls``. A weak model
+#: that keeps calling is ended here while its calls are still whole, rather than
+#: cut inside one by ``max_tokens``.
+MAX_FORCED_CALLS = 8
+
+
+def calls_tag(call_ebnf: str, parallel: bool) -> dict[str, Any]:
+    """xgrammar's structural tag for Hermes blocks whose JSON follows ``call_ebnf``.
+
+    One block, or with ``parallel`` one to :data:`MAX_FORCED_CALLS` blocks
+    written back to back. Nothing goes between blocks: after a closing tag a
+    model's likeliest token is a newline, whether prose, another call or
+    nothing was to follow, and a grammar that allowed the newline and then
+    only a call would turn a model that meant to stop into one that calls
+    again (SmolLM2-135M-Instruct did, until ``max_tokens``). Without a
+    separator the model's choice after each block is between the end of the
+    answer and the start of another block.
+    """
+    block = {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": TOOL_CALL_OPEN + "\n"},
+            {"type": "grammar", "grammar": call_ebnf},
+            {"type": "const_string", "value": "\n" + TOOL_CALL_CLOSE},
+        ],
+    }
+    if not parallel:
+        return {"type": "structural_tag", "format": block}
+    more = {"type": "repeat", "min": 0, "max": MAX_FORCED_CALLS - 1, "content": block}
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": [block, more]}}
 
 
 class XGrammarConstraint:
@@ -111,15 +145,14 @@ class ToolGrammars:
             return self._compiler, self._xgr
 
     def constraint_for(self, req: ToolRequest) -> ConstraintFactory:
-        """A factory of fresh constraints (one per sequence) for ``req``'s forced call."""
+        """A factory of fresh constraints (one per sequence) for ``req``'s forced calls."""
         compiler, xgr = self._load()
         schema = call_schema(req.called_tools())
         try:
-            grammar = xgr.Grammar.concat(
-                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN + chr(10))}"),
-                xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-                xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + TOOL_CALL_CLOSE)}"),
-            )
+            # The compact JSON grammar goes in as EBNF text: a structural tag's own
+            # JSON-schema format only bounds whitespace, it cannot forbid it.
+            body = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+            grammar = xgr.Grammar.from_structural_tag(json.dumps(calls_tag(body, req.parallel)))
             compiled = compiler.compile_grammar(grammar)
         except Exception as exc:  # the schema is the client's: a construct xgrammar refuses
             raise BadRequestError(

@@ -8,11 +8,12 @@ of its final chunk, and a client that goes away cancels its request.
 
 A chat stream that parses tool calls (:mod:`kvtier.server.tools`) sends
 text before a call as content, holds back text that may begin
-``<tool_call>``, and sends each call once its closing tag arrived, in
-OpenAI's delta shape: a first delta with the call's ``index``, ``id``,
-``type`` and function ``name`` (empty ``arguments``), then one with the
-arguments. A choice that made calls and stopped ends with
-``finish_reason`` ``"tool_calls"``.
+``<tool_call>``, and sends each call in OpenAI's delta shape: a first delta
+with the call's ``index``, ``id``, ``type``, function ``name`` and the
+start of its ``arguments`` (maybe empty), then deltas with only the
+``index`` and the next piece of the arguments, as they are generated. A
+choice that made calls and stopped ends with ``finish_reason``
+``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -203,18 +204,19 @@ def chat_stream(
 
 
 def _event_deltas(event: StreamEvent) -> list[dict[str, Any]]:
-    """The deltas of one parsed piece: content, or a call's name and then its arguments."""
-    if event.call is None:
+    """The delta of one parsed piece: content, a call's start, or more of its arguments."""
+    if event.content is not None:
         return [{"content": event.content}] if event.content else []
-    call = event.call
-    head = {
-        "index": event.index,
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": ""},
-    }
-    args = {"index": event.index, "function": {"arguments": call.arguments}}
-    return [{"tool_calls": [head]}, {"tool_calls": [args]}]
+    call: dict[str, Any] = {"index": event.index}
+    if event.id is not None:
+        call["id"] = event.id
+        call["type"] = "function"
+        call["function"] = {"name": event.name, "arguments": event.arguments or ""}
+    elif event.arguments:
+        call["function"] = {"arguments": event.arguments}
+    else:
+        return []
+    return [{"tool_calls": [call]}]
 
 
 def completion_stream(

@@ -18,11 +18,11 @@ rendered by :func:`encode_tool_chat`:
 
 With ``tool_choice`` ``"none"`` the tools are left out of the prompt and
 the answer is plain text. Otherwise the generated text is parsed for
-Hermes ``<tool_call>`` blocks (:func:`parse_tool_calls`, or
-:class:`ToolCallStream` while streaming) into OpenAI ``tool_calls``; a
-block whose JSON is not a call stays in the content as text. An argument
-string may hold ``</tool_call>``: a block ends at the first closing tag
-after which its JSON parses.
+Hermes ``<tool_call>`` blocks into OpenAI ``tool_calls`` by
+:class:`ToolCallStream`, which streams a call's arguments as they are
+written; :func:`parse_tool_calls` is the same parser over a whole answer,
+so streamed and whole answers agree. A block that is not a call stays in
+the content as text, and an argument string may hold ``</tool_call>``.
 """
 
 from __future__ import annotations
@@ -395,6 +395,11 @@ def encode_tool_chat(
 
 # -- parsing ------------------------------------------------------------------------------
 
+_WS = " \t\r\n"
+#: How a call opens when its arguments can be streamed: ``{"name": <string>, "arguments": {``
+#: (``None`` stands for the name's JSON string; whitespace may come between the parts).
+_HEAD: tuple[str | None, ...] = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")
+
 
 def parse_call(body: str) -> ToolCall | None:
     """The call in a ``<tool_call>`` block's body, or ``None`` if it holds none."""
@@ -434,39 +439,53 @@ def _block(text: str, start: int) -> tuple[ToolCall | None, int | None]:
     return None, first
 
 
-def _segments(text: str) -> list[str | ToolCall]:
-    """``text`` cut into the text between calls and the calls, in order."""
-    out: list[str | ToolCall] = []
-    pos = 0
-    while True:
-        i = text.find(TOOL_CALL_OPEN, pos)
-        if i < 0:
-            break
-        call, end = _block(text, i + len(TOOL_CALL_OPEN))
-        if end is None:
-            break
-        if call is None:
-            out.append(text[pos:end])
+def _string_end(text: str, pos: int) -> int | None:
+    """Where the JSON string opening at ``text[pos]`` ends (past its quote); ``None``: not yet."""
+    i = pos + 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
         else:
-            out += [text[pos:i], call]
-        pos = end
-    out.append(text[pos:])
-    return out
+            i += 1
+    return None
 
 
-def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
-    """``text``'s content outside the calls (``None`` if empty) and its Hermes calls.
+def _call_head(body: str) -> tuple[bool | None, str, int]:
+    """Whether a block's body opens with ``{"name": <string>, "arguments": {``.
 
-    Text without a well-formed call comes back unchanged; with calls, the
-    content around them is stripped of surrounding whitespace. Calls past
-    ``max_calls`` are dropped.
+    ``(True, name, at)``: it does, and the arguments object opens at ``at``;
+    ``(False, "", 0)``: it does not; ``(None, "", 0)``: the body is too short to tell.
+    The answer never changes as the body grows, so it may be asked of any prefix.
     """
-    segments = _segments(text)
-    calls = [c for c in segments if isinstance(c, ToolCall)]
-    if not calls:
-        return (text or None), []
-    content = "".join(c for c in segments if isinstance(c, str)).strip()
-    return (content or None), calls[:max_calls]
+    pos, name = 0, ""
+    for part in _HEAD:
+        while pos < len(body) and body[pos] in _WS:
+            pos += 1
+        if pos == len(body):
+            return None, "", 0
+        if part is None:
+            if body[pos] != '"':
+                return False, "", 0
+            end = _string_end(body, pos)
+            if end is None:
+                return None, "", 0
+            try:
+                name = json.loads(body[pos:end])
+            except json.JSONDecodeError:
+                return False, "", 0
+            if not name:
+                return False, "", 0
+            pos = end
+            continue
+        seen = body[pos : pos + len(part)]
+        if not part.startswith(seen):
+            return False, "", 0
+        if len(seen) < len(part):
+            return None, "", 0
+        pos += len(part)
+    return True, name, pos - 1
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -479,32 +498,64 @@ def _held_prefix(text: str, tag: str) -> int:
 
 @dataclass
 class StreamEvent:
-    """What a chunk of streamed text yields: content, or one complete call."""
+    """What a chunk of streamed text yields: content, or a piece of a call.
+
+    A call's first event carries its ``id`` and ``name`` (and the start of its
+    arguments, maybe empty); later events of the same ``index`` carry the next
+    pieces of its ``arguments``. Joined, the pieces are the call's arguments.
+    """
 
     content: str | None = None
-    call: ToolCall | None = None
     #: The call's position among the answer's calls (0, 1, ...).
     index: int = 0
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+_Mode = Literal["text", "head", "whole", "args", "tail"]
 
 
 class ToolCallStream:
-    """Splits streamed text into content and complete calls as it arrives.
+    """Splits generated text into content and calls, streaming call arguments as they come.
 
-    Text that might begin ``<tool_call>`` is held back until it is known;
-    a call is yielded when its closing tag arrives (a block that is not a
-    call is held to the end of the answer, since a later closing tag could
-    still complete it, then sent as text). Whitespace is held until
-    text follows it, so an answer with calls ends without the whitespace
-    :func:`parse_tool_calls` strips (the content streamed is the text outside
-    the calls; stripped, it equals :func:`parse_tool_calls`'s).
+    Text that might begin ``<tool_call>`` is held back until it is known.
+    Inside a block, a body that opens the usual way,
+    ``{"name": "<name>", "arguments": {``, is a call from then on: its id and
+    name are sent at once and its arguments piece by piece, as written, up
+    to the brace that closes them (a brace or a closing tag inside a string
+    does not count; a ``<`` outside one, which JSON never has there, ends
+    them too), and the rest of the block, up to ``</tool_call>``, is
+    dropped. An answer that ends first ends the call with the arguments
+    written so far, as OpenAI's API does. Any other body is read whole: the
+    block is a call if its JSON is one at some closing tag (sent then, in
+    one piece, with its arguments re-serialized), and text otherwise (held
+    to the end of the answer, since a later closing tag could still complete
+    it; then the block ends at its first closing tag).
+
+    Whitespace is held until text follows it, so an answer with calls ends
+    without the whitespace :func:`parse_tool_calls` strips. The result is
+    the same however the text is cut into pieces; :func:`parse_tool_calls`
+    is this parser fed the whole text at once.
     """
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
+        #: Calls started (sent) so far.
         self.calls = 0
+        #: The complete calls, in order (past ``max_calls`` none are kept).
+        self.tool_calls: list[ToolCall] = []
         self._buf = ""
-        self._inside = False
+        self._mode: _Mode = "text"
         self._pending_ws = ""
+        # The call whose arguments are streaming.
+        self._id = ""
+        self._name = ""
+        self._args: list[str] = []
+        self._muted = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
 
     def _content(self, text: str) -> list[StreamEvent]:
         if not text:
@@ -519,50 +570,171 @@ class ToolCallStream:
         self._pending_ws = out[len(body) :]
         return [StreamEvent(content=body)]
 
-    def _call(self, call: ToolCall) -> list[StreamEvent]:
-        if self.max_calls is not None and self.calls >= self.max_calls:
+    def _full(self) -> bool:
+        return self.max_calls is not None and self.calls >= self.max_calls
+
+    def _whole_call(self, call: ToolCall) -> list[StreamEvent]:
+        if self._full():
             return []
         self.calls += 1
-        return [StreamEvent(call=call, index=self.calls - 1)]
+        self.tool_calls.append(call)
+        return [
+            StreamEvent(index=self.calls - 1, id=call.id, name=call.name, arguments=call.arguments)
+        ]
+
+    def _start_call(self, name: str) -> list[StreamEvent]:
+        self._id, self._name, self._args = new_call_id(), name, []
+        self._depth, self._in_string, self._escaped = 0, False, False
+        self._muted = self._full()
+        if self._muted:
+            return []
+        self.calls += 1
+        return [StreamEvent(index=self.calls - 1, id=self._id, name=name, arguments="")]
+
+    def _end_call(self) -> None:
+        if not self._muted:
+            self.tool_calls.append(ToolCall(self._name, "".join(self._args), self._id))
+
+    def _arguments_end(self, text: str) -> int | None:
+        """Where the streaming arguments end in ``text`` (their scan state carries over)."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+            elif ch == "<":  # no JSON has it outside a string: a tag, the arguments broke off
+                return i
+        return None
+
+    def _step(self) -> tuple[list[StreamEvent], bool]:
+        """Events from the buffer in the current mode; ``False`` when more text is needed."""
+        buf = self._buf
+        if self._mode == "text":
+            start = buf.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                self._buf, self._mode = buf[start + len(TOOL_CALL_OPEN) :], "head"
+                return self._content(buf[:start]), True
+            cut = len(buf) - _held_prefix(buf, TOOL_CALL_OPEN)
+            self._buf = buf[cut:]
+            return self._content(buf[:cut]), False
+        if self._mode == "head":
+            known, name, at = _call_head(buf)
+            if known is None:
+                return [], False
+            if not known:
+                self._mode = "whole"
+                return [], True
+            self._buf, self._mode = buf[at:], "args"
+            return self._start_call(name), True
+        if self._mode == "whole":
+            call, end = _block(buf, 0)
+            if call is None:
+                return [], False  # not a call (yet): a later closing tag may still complete it
+            assert end is not None
+            self._buf, self._mode = buf[end:], "text"
+            return self._whole_call(call), True
+        if self._mode == "args":
+            end = self._arguments_end(buf)
+            piece = buf if end is None else buf[:end]
+            self._args.append(piece)
+            events = (
+                []
+                if self._muted or not piece
+                else [StreamEvent(index=self.calls - 1, arguments=piece)]
+            )
+            if end is None:
+                self._buf = ""
+                return events, False
+            self._end_call()
+            self._buf, self._mode = buf[end:], "tail"
+            return events, True
+        # tail: what follows the arguments in the block is dropped
+        close, opens = buf.find(TOOL_CALL_CLOSE), buf.find(TOOL_CALL_OPEN)
+        if close >= 0 and (opens < 0 or close < opens):
+            self._buf, self._mode = buf[close + len(TOOL_CALL_CLOSE) :], "text"
+            return [], True
+        if opens >= 0:  # a new block before this one closed
+            self._buf, self._mode = buf[opens + len(TOOL_CALL_OPEN) :], "head"
+            return [], True
+        held = max(_held_prefix(buf, TOOL_CALL_CLOSE), _held_prefix(buf, TOOL_CALL_OPEN))
+        self._buf = buf[len(buf) - held :]
+        return [], False
 
     def feed(self, text: str) -> list[StreamEvent]:
         """Events for the next piece of text."""
         self._buf += text
         events: list[StreamEvent] = []
-        while True:
-            if self._inside:
-                call, end = _block(self._buf, 0)
-                if call is None:
-                    # Not a call (yet): a later closing tag may still complete it.
-                    return events
-                assert end is not None
-                self._buf = self._buf[end:]
-                self._inside = False
-                events += self._call(call)
-                continue
-            start = self._buf.find(TOOL_CALL_OPEN)
-            if start >= 0:
-                events += self._content(self._buf[:start])
-                self._buf = self._buf[start + len(TOOL_CALL_OPEN) :]
-                self._inside = True
-                continue
-            held = _held_prefix(self._buf, TOOL_CALL_OPEN)
-            cut = len(self._buf) - held
-            events += self._content(self._buf[:cut])
-            self._buf = self._buf[cut:]
-            return events
+        more = True
+        while more:
+            step, more = self._step()
+            events += step
+        return _merged(events)
 
     def finish(self) -> list[StreamEvent]:
         """Events for what is still held when the answer ends."""
-        rest = (TOOL_CALL_OPEN if self._inside else "") + self._buf
-        self._buf, self._inside = "", False
+        mode, rest = self._mode, self._buf
+        self._mode, self._buf = "text", ""
         events: list[StreamEvent] = []
-        for segment in _segments(rest):
-            if isinstance(segment, ToolCall):
-                events += self._call(segment)
+        if mode == "args":
+            self._end_call()
+        elif mode in ("head", "whole"):
+            # Not a call: the block is text, up to its first closing tag if it has one.
+            at = rest.find(TOOL_CALL_CLOSE)
+            if at < 0:
+                events += self._content(TOOL_CALL_OPEN + rest)
             else:
-                events += self._content(segment)
+                end = at + len(TOOL_CALL_CLOSE)
+                events += self._content(TOOL_CALL_OPEN + rest[:end])
+                events += self.feed(rest[end:])
+                return _merged(events + self.finish())
+        elif mode == "text":
+            events += self._content(rest)
         if self._pending_ws and not self.calls:
             events.append(StreamEvent(content=self._pending_ws))
         self._pending_ws = ""
-        return events
+        return _merged(events)
+
+
+def _merged(events: list[StreamEvent]) -> list[StreamEvent]:
+    """``events`` with a call's consecutive argument pieces joined to the event before."""
+    out: list[StreamEvent] = []
+    for e in events:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and e.content is None
+            and e.id is None
+            and prev.content is None
+            and prev.index == e.index
+        ):
+            prev.arguments = (prev.arguments or "") + (e.arguments or "")
+        else:
+            out.append(e)
+    return out
+
+
+def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+    """``text``'s content outside the calls (``None`` if empty) and its Hermes calls.
+
+    Text without a call comes back unchanged; with calls, the content around
+    them is stripped of surrounding whitespace. Calls past ``max_calls`` are
+    dropped. This is :class:`ToolCallStream` fed the whole text, so a streamed
+    answer's calls and content are the same.
+    """
+    stream = ToolCallStream(max_calls)
+    events = stream.feed(text) + stream.finish()
+    if not stream.tool_calls:
+        return (text or None), []
+    content = "".join(e.content or "" for e in events).strip()
+    return (content or None), stream.tool_calls
