@@ -31,6 +31,17 @@ time). Reported per configuration: the median TTFT of the steps after the
 first round, the share of those steps whose agent prompt was already on the
 device when the request came ("warm"), and the cached prompt tokens.
 
+Part three runs interleaved tool-calling sessions on the same model
+(``--tool-sessions``, ``--tool-turns``, ``--tool-device-blocks``): a shared
+system prompt, a user message, then turns that append the model's reply and a
+tool result after a log-normal tool latency, each request hinted with its
+``session_id`` and a ``cache_ttl_s`` within 50% of the truth (not on the
+last turn). Requests run one at a time on a simulated clock shared with the
+cache, so a TTFT is the request's own prefill and tier loads. Configurations:
+LRU and the workflow policy with hints, each without and with a disk tier.
+Reported: the median TTFT of the turns after the first, and the prompt tokens
+per turn served from the device and loaded from the disk.
+
 Run ``python bench/agents.py --help``; ``--quick`` is a short smoke run.
 Results go to ``bench/results/agents.json``.
 """
@@ -306,6 +317,132 @@ def engine_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# -- tool sessions in the engine, over a disk tier ---------------------------------------------
+
+TOOL_CONFIGS: tuple[tuple[str, str, bool, bool], ...] = (
+    # label, policy, hints, disk tier
+    ("LRU, no hints", "lru", False, False),
+    ("workflow, session + TTL hints", "workflow", True, False),
+    ("LRU, no hints, disk tier", "lru", False, True),
+    ("workflow, session + TTL hints, disk tier", "workflow", True, True),
+)
+
+
+def _loaded_blocks(chain: Any) -> int:
+    """Blocks loaded from every tier so far (0 without tiers)."""
+    if chain is None:
+        return 0
+    return int(sum(t["loaded_blocks"] for t in chain.stats().values()))
+
+
+def tool_engine_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Interleaved tool-calling sessions on the real model over a disk tier.
+
+    Each session: a shared system prompt, its own user message, then turns that
+    append the model's reply and a tool result after a tool call of log-normal
+    latency (the hint names it within +-50%, as an application's estimate would).
+    The device holds a couple of sessions; with a disk tier, what it evicts
+    goes there.
+    Requests run one at a time in order of arrival on a simulated clock (the
+    cache's clock too, so TTLs mean the same as in the replay), so a TTFT is the
+    request's own prefill and tier loads, not queueing. Per configuration: the
+    median TTFT of the turns after each session's first, and the prompt tokens
+    served from the device and loaded from the disk per such turn.
+    """
+    import random
+
+    import torch
+
+    from kvtier.engine import Engine, SamplingParams
+    from kvtier.engine.model import load_model
+    from kvtier.offload.chain import Tier
+    from kvtier.offload.disk import DiskStore
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(None)
+    model, tok = loaded.model, loaded.tokenizer
+    vocab = int(model.config.vocab_size)
+    rng = random.Random(0)
+    system = [rng.randrange(100, vocab - 100) for _ in range(192)]
+    sessions: list[dict[str, Any]] = []
+    for i in range(args.tool_sessions):
+        user = [rng.randrange(100, vocab - 100) for _ in range(96)]
+        results, pauses, ttls = [], [], []
+        for _ in range(args.tool_turns - 1):
+            results.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(48, 128))])
+            pause = rng.lognormvariate(0.0, 1.0)
+            pauses.append(pause)
+            ttls.append(round(pause * rng.uniform(0.5, 1.5), 3))
+        sessions.append({"start": 0.5 * i, "user": user, "results": results,
+                         "pauses": pauses, "ttls": ttls})  # fmt: skip
+    gen = SamplingParams(max_tokens=8, temperature=0.0)
+    rows: list[dict[str, Any]] = []
+    for label, policy, hinted, on_disk in TOOL_CONFIGS:
+        log(f"engine, tool sessions: {label}")
+        with tempfile.TemporaryDirectory() as disk:
+            eng = Engine(
+                model, tok, model_id=loaded.model_id, block_size=16,
+                num_blocks=args.tool_device_blocks, policy=policy,
+                tiers=[Tier(DiskStore(disk), 8192)] if on_disk else (),
+            )  # fmt: skip
+            chain = eng.tier_chain
+            clock = [0.0]
+            eng.manager.clock = lambda c=clock: c[0]
+            # Per session: its conversation so far, its turn, when its next request comes.
+            state = [{"tokens": system + s["user"], "turn": 0, "due": s["start"]} for s in sessions]
+            ttfts: list[float] = []
+            device_tokens: list[int] = []
+            disk_tokens: list[int] = []
+            with torch.no_grad():
+                while True:
+                    due = [(st["due"], i) for i, st in enumerate(state) if st["due"] is not None]
+                    if not due:
+                        break
+                    clock[0], i = min(due)
+                    st, s = state[i], sessions[i]
+                    turn = st["turn"]
+                    last = turn + 1 >= args.tool_turns
+                    hints: dict[str, Any] | None = None
+                    if hinted:
+                        hints = {"session_id": f"s{i}"}
+                        if not last:
+                            hints["cache_ttl_s"] = s["ttls"][turn]
+                    before = _loaded_blocks(chain)
+                    rid = eng.add_request(list(st["tokens"]), gen, hints=hints)
+                    reply: list[int] = []
+                    m = None
+                    while eng.has_unfinished():
+                        for out in eng.step():
+                            if out.request_id != rid:
+                                continue
+                            reply += out.token_ids
+                            if out.finished:
+                                if out.error is not None:
+                                    raise RuntimeError(f"{label}: {out.error}")
+                                m = out.metrics
+                    if turn > 0 and m is not None and m.ttft is not None:
+                        from_disk = 16 * (_loaded_blocks(chain) - before)
+                        ttfts.append(m.ttft)
+                        disk_tokens.append(from_disk)
+                        device_tokens.append(max(0, m.cached_tokens - from_disk))
+                    if last:
+                        st["due"] = None
+                        continue
+                    st["tokens"] = st["tokens"] + reply
+                    st["tokens"] += s["results"][turn]
+                    st["turn"] = turn + 1
+                    st["due"] = clock[0] + 0.2 + s["pauses"][turn]
+            eng.manager.check()
+            eng.close()
+        rows.append({
+            "config": label, "turns": len(ttfts), "median_ttft_s": median(ttfts),
+            "ttft_s": ttfts, "device_tokens_per_turn": sum(device_tokens) / len(ttfts),
+            "disk_tokens_per_turn": sum(disk_tokens) / len(ttfts),
+        })  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-blocks", type=int, default=44, help="device blocks of 16 tokens")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of the engine loop")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--tool-sessions", type=int, default=8, help="sessions of the engine's tool run"
+    )
+    ap.add_argument("--tool-turns", type=int, default=4, help="turns per tool session")
+    ap.add_argument(
+        "--tool-device-blocks", type=int, default=96, help="device blocks of the tool run"
+    )
     ap.add_argument("--markdown", action="store_true", help="also print Markdown tables")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agents.json")
     args = ap.parse_args(argv)
@@ -330,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     print("replay: token hit ratio and re-prefilled tokens (unbounded cache's hits - these)")
     print(format_table(headers, table))
     engine: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
     if not args.no_engine:
         engine = engine_rows(args)
         e_headers = ["configuration", "steps", "median TTFT ms", "warm", "cached tokens/step"]
@@ -341,15 +486,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nengine: 4-agent loop, {args.prompt_tokens}-token prompts, "
               f"{args.device_blocks} device blocks, rounds 2-{args.rounds}")  # fmt: skip
         print(format_table(e_headers, e_table))
+        tools = tool_engine_rows(args)
+        t_headers = ["configuration", "turns", "median TTFT ms", "device tokens/turn",
+                     "disk tokens/turn"]  # fmt: skip
+        t_table: list[list[object]] = [
+            [r["config"], r["turns"], f"{1000 * r['median_ttft_s']:.1f}",
+             f"{r['device_tokens_per_turn']:.0f}", f"{r['disk_tokens_per_turn']:.0f}"]
+            for r in tools
+        ]  # fmt: skip
+        print(f"\nengine: {args.tool_sessions} interleaved tool sessions, {args.tool_turns} turns, "
+              f"{args.tool_device_blocks} device blocks, turns 2-")  # fmt: skip
+        print(format_table(t_headers, t_table))
     if args.markdown:
         print()
         print(format_markdown_table(headers, table))
         if engine:
             print()
             print(format_markdown_table(e_headers, e_table))
+            print()
+            print(format_markdown_table(t_headers, t_table))
     write_json(args.out, {
         "benchmark": "agents", "args": {k: str(v) for k, v in vars(args).items()},
-        "goals": goals, "replay": rows, "engine": engine, "machine": machine_info(),
+        "goals": goals, "replay": rows, "engine": engine, "tool_engine": tools,
+        "machine": machine_info(),
         "git": git_state(REPO),
     })  # fmt: skip
     return 0

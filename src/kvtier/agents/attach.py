@@ -38,7 +38,10 @@ class AgentSupport:
             self.policy.tracker if self.policy is not None else WorkflowTracker()
         )
         if self.policy is not None and self.policy.clock is None:
-            self.policy.clock = engine.manager.clock
+            # Read through the manager each time, so the policy's pins and the manager's
+            # requests always share one clock (a caller may replace the manager's).
+            manager = engine.manager
+            self.policy.clock = lambda: manager.clock()
         self.prefetcher: Prefetcher | None = None
         self._last: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
