@@ -10,7 +10,10 @@ registered with transformers as the attention implementation
 slots of the :class:`~kvtier.storage.KVBlockStorage`, gathers each
 sequence's whole K/V back through its block table into a padded batch
 ``[B, heads, L_max, head_dim]``, and runs one ``scaled_dot_product_attention``
-with a mask that keeps every query to its own sequence's past.
+with a mask that keeps every query to its own sequence's past. What a layer
+gathers and its mask (a :class:`KVView`: block ids, token rows, the mask and
+its additive form) are built once per pass by :class:`BatchMeta`, so a layer
+only copies K/V and attends.
 
 A sliding-window layer (the model passes its ``sliding_window``, as it does
 to transformers' own attention functions) sees only the keys at positions
@@ -60,6 +63,42 @@ class SeqSlice:
     slots: Sequence[int]
 
 
+class KVView:
+    """One way a layer reads the pass's K/V: the rows it gathers and the mask over them.
+
+    Built once per pass and shared by every layer that reads this way.
+    ``blocks`` is the block-id view (``NB`` block ids per sequence, padded
+    with its first read block), ``rows`` the token rows of those blocks in the
+    storage's per-layer row view (what one ``index_select`` per layer reads),
+    and ``mask`` is ``[B, 1, Q, NB * block_size]``: query ``j`` of sequence
+    ``i`` may see key ``k``.
+    """
+
+    __slots__ = ("_bias", "blocks", "mask", "nb", "rows")
+
+    def __init__(
+        self, blocks: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, nb: int
+    ) -> None:
+        self.blocks = blocks
+        self.rows = rows
+        self.mask = mask
+        self.nb = nb
+        self._bias: torch.Tensor | None = None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask in SDPA's additive form (0 where visible, -inf elsewhere) in ``dtype``.
+
+        SDPA turns a boolean mask into exactly this tensor on every call; built
+        once here, the layers of a pass share it, with results bit for bit the same.
+        """
+        bias = self._bias
+        if bias is None or bias.dtype != dtype:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+            self._bias = bias
+        return bias
+
+
 class BatchMeta:
     """Index tensors of one batched pass, built once and shared by every layer.
 
@@ -82,10 +121,9 @@ class BatchMeta:
         "_positions",
         "_seqs",
         "_starts",
-        "_windows",
+        "_views",
         "decode_only",
-        "kv_rows",
-        "mask",
+        "full",
         "new_rows",
         "q_gather",
         "q_scatter",
@@ -100,7 +138,7 @@ class BatchMeta:
         #: Every sequence brings one token in order (pure decode): queries need no reshuffling.
         self.decode_only = Q == 1
         self._seqs = seqs
-        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[int, KVView] = {}
         self._positions: torch.Tensor | None = None
         new_slots: list[int] = []
         q_gather: list[int] = []
@@ -118,7 +156,24 @@ class BatchMeta:
         self.new_rows = storage.slot_rows(torch.tensor(new_slots, dtype=torch.int64))
         self.q_gather = torch.tensor(q_gather, dtype=torch.int64, device=device)
         self.q_scatter = torch.tensor(q_scatter, dtype=torch.int64, device=device)
-        self.kv_rows, self.mask, self.NB = self._view([0] * self.B, None)
+        #: What a full-attention layer reads: every sequence's whole context.
+        self.full = self._view([0] * self.B, None)
+        self.NB = self.full.nb
+
+    @property
+    def kv_rows(self) -> torch.Tensor:
+        """Rows of every sequence's whole context (a full-attention layer's gather)."""
+        return self.full.rows
+
+    @property
+    def kv_blocks(self) -> torch.Tensor:
+        """Block ids of every sequence's whole context, ``NB`` per sequence, padded."""
+        return self.full.blocks
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The full-attention mask, ``[B, 1, Q, NB * block_size]``."""
+        return self.full.mask
 
     @property
     def num_tokens(self) -> int:
@@ -131,34 +186,40 @@ class BatchMeta:
 
     def window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_rows, mask)`` for a layer whose queries see the last ``window`` positions."""
-        view = self._windows.get(window)
+        view = self.window_view(window)
+        return view.rows, view.mask
+
+    def window_view(self, window: int) -> KVView:
+        """:meth:`window` as a :class:`KVView`."""
+        view = self._views.get(window)
         if view is None:
             bs = self.storage.layout.block_size
             first = [first_visible(s.start, window) // bs for s in self._seqs]
             last_query = max(s.start + s.num_new - 1 for s in self._seqs)
             if not any(first) and last_query < window:
-                view = (self.kv_rows, self.mask)  # the window hides nothing in this pass
+                view = self.full  # the window hides nothing in this pass
             else:
-                rows, mask, _ = self._view(first, window)
-                view = (rows, mask)
-            self._windows[window] = view
+                view = self._view(first, window)
+            self._views[window] = view
         return view
 
     def chunked(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_rows, mask)`` for a chunked local layer: a query at ``p`` sees the keys from
         the start of its chunk of ``chunk`` positions (``p // chunk * chunk``) up to ``p``."""
+        view = self.chunked_view(chunk)
+        return view.rows, view.mask
+
+    def chunked_view(self, chunk: int) -> KVView:
+        """:meth:`chunked` as a :class:`KVView`."""
         key = -chunk  # windows are positive: one cache for both kinds of view
-        view = self._windows.get(key)
+        view = self._views.get(key)
         if view is None:
             bs = self.storage.layout.block_size
             first = [s.start // chunk * chunk // bs for s in self._seqs]
             last_query = max(s.start + s.num_new - 1 for s in self._seqs)
-            if last_query < chunk:
-                view = (self.kv_rows, self.mask)  # every query is in the first chunk
-            else:
-                rows, mask, _ = self._view(first, None, chunk)
-                view = (rows, mask)
-            self._windows[key] = view
+            # When every query is in the first chunk, the chunk hides nothing.
+            view = self.full if last_query < chunk else self._view(first, None, chunk)
+            self._views[key] = view
         return view
 
     def positions(self) -> torch.Tensor:
@@ -169,13 +230,11 @@ class BatchMeta:
             ).to(self.storage.device)
         return self._positions
 
-    def _view(
-        self, first: Sequence[int], window: int | None, chunk: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Rows and mask when sequence ``i`` reads from its block ``first[i]`` on.
+    def _view(self, first: Sequence[int], window: int | None, chunk: int | None = None) -> KVView:
+        """The view when sequence ``i`` reads from its block ``first[i]`` on.
 
-        Returns ``(kv_rows, mask, NB)``: ``NB`` blocks per sequence, padded with
-        its first read block; the mask is ``[B, 1, Q, NB * block_size]``.
+        ``NB`` blocks per sequence, padded with its first read block; the mask
+        is ``[B, 1, Q, NB * block_size]``.
         """
         storage = self.storage
         device = storage.device
@@ -189,8 +248,8 @@ class BatchMeta:
             blocks += [blocks[0]] * (NB - len(blocks))  # padding, masked out
             kv_blocks.extend(blocks)
         # One slot per block in Python; the block_size slots of each are expanded by torch.
-        kv_slots = torch.tensor(kv_blocks, dtype=torch.int64)[:, None] * bs + torch.arange(bs)
-        rows = storage.slot_rows(kv_slots.flatten())
+        block_ids = torch.tensor(kv_blocks, dtype=torch.int64)
+        rows = storage.slot_rows((block_ids[:, None] * bs + torch.arange(bs)).flatten())
         # Query j of sequence i sits at position starts[i] + j and sees keys up to that
         # position (and, in a sliding layer, after position - window).
         qpos = self._starts[:, None] + torch.arange(self.Q, device=device)
@@ -207,7 +266,7 @@ class BatchMeta:
         pad = torch.arange(self.Q, device=device)[None, :] >= self._num_new[:, None]
         mask = mask & ~pad[:, :, None]
         mask[:, :, 0] |= pad
-        return rows, mask[:, None, :, :], NB
+        return KVView(block_ids.to(device), rows, mask[:, None, :, :], NB)
 
 
 def paged_attention(
@@ -247,7 +306,7 @@ def paged_attention(
         # MLA: the blocks hold the latent, and the model has already expanded every
         # row of the batch's view (``kv_rows`` order) into these K and V.
         setattr(module, "_kvtier_gathered", False)  # noqa: B010 (an nn.Module attribute)
-        rows, mask = meta.kv_rows, meta.mask
+        view = meta.full
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     else:
         # [1, heads, T, dim] -> [T, heads, dim]
@@ -271,12 +330,12 @@ def paged_attention(
         window = kwargs.get("sliding_window")
         chunk = getattr(module, "_kvtier_chunk", None)
         if isinstance(window, int) and window > 0:
-            rows, mask = meta.window(window)
+            view = meta.window_view(window)
         elif chunk is not None:
-            rows, mask = meta.chunked(chunk)
+            view = meta.chunked_view(chunk)
         else:
-            rows, mask = meta.kv_rows, meta.mask
-        k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
+            view = meta.full
+        k, v = storage.read_rows(layer, view.rows)  # [B * blocks * block_size, kv_heads, dim]
         if narrow is not None:
             k, v = k[..., : narrow[0]], v[..., : narrow[1]]
     temperature = getattr(module, "_kvtier_temperature", None)
@@ -287,12 +346,16 @@ def paged_attention(
     k = k.reshape(B, -1, kv_heads, dim).transpose(1, 2)
     v = v.reshape(B, -1, kv_heads, v_dim).transpose(1, 2)
     heads = query.shape[1]
+    # The mask's additive form, built once per pass: SDPA would convert it in every layer.
+    bias = view.bias(query.dtype)
     if meta.decode_only:  # token t is sequence t's one query
         q = query[0].transpose(0, 1).unsqueeze(2)
     else:
         q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
+    # Each query head stays its own row (``enable_gqa``), as in transformers' attention:
+    # folding a K/V head's query heads into its rows costs less but rounds differently.
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kv_heads
+        q, k, v, attn_mask=bias, scale=scaling, enable_gqa=heads != kv_heads
     )
     # [B, heads, Q, dim] -> [B * Q, heads, dim] -> the real tokens, in pass order
     out = out.transpose(1, 2).reshape(B * Q, heads, v_dim)
