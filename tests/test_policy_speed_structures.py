@@ -31,16 +31,18 @@ KEYS = st.integers(0, 24)
 
 
 class ByReturnMachine(RuleBasedStateMachine):
-    """``_ByReturn`` against a sorted list: the latest pin end first, then the latest push."""
+    """``_ByReturn`` against a sorted list: the latest pin end first, then the deepest key
+    in its chain, then the latest push."""
 
     @initialize()
     def setup(self) -> None:
         self.expiry: dict[int, float] = {}
-        self.policy = _ByReturn(self.expiry)
+        self.depth: dict[int, int] = {}
+        self.policy = _ByReturn(self.expiry, lambda key: self.depth.get(key, 0))
         self.policy.bind(64)
-        #: Reference: sorted (-until, -seq, key) of the evictable keys, and the held ones.
-        self.order: list[tuple[float, int, int]] = []
-        self.entry: dict[int, tuple[float, int, int]] = {}
+        #: Reference: sorted (-until, -depth, -seq, key) of the evictable keys, and the held ones.
+        self.order: list[tuple[float, int, int, int]] = []
+        self.entry: dict[int, tuple[float, int, int, int]] = {}
         self.held: set[int] = set()
         self.seq = 0
 
@@ -49,7 +51,7 @@ class ByReturnMachine(RuleBasedStateMachine):
         old = self.entry.pop(key, None)
         if old is not None:
             self.order.remove(old)
-        e = (-self.expiry.get(key, float("inf")), -self.seq, key)
+        e = (-self.expiry.get(key, float("inf")), -self.depth.get(key, 0), -self.seq, key)
         self.entry[key] = e
         bisect.insort(self.order, e)
 
@@ -63,6 +65,11 @@ class ByReturnMachine(RuleBasedStateMachine):
             self.expiry.pop(key, None)
         else:
             self.expiry[key] = until
+
+    @rule(key=KEYS, depth=st.integers(0, 5))
+    def set_depth(self, key: int, depth: int) -> None:
+        # Like the pin end, a key's depth is read when the key is pushed.
+        self.depth[key] = depth
 
     @rule(key=KEYS, pinned=st.booleans())
     def insert(self, key: int, pinned: bool) -> None:
@@ -117,14 +124,14 @@ class ByReturnMachine(RuleBasedStateMachine):
 
     @rule()
     def evict(self) -> None:
-        expected = self.order.pop(0)[2] if self.order else None
+        expected = self.order.pop(0)[3] if self.order else None
         if expected is not None:
             del self.entry[expected]
         assert self.policy.evict() == expected
 
     @rule(n=st.integers(1, 5))
     def evict_many(self, n: int) -> None:
-        expected = [e[2] for e in self.order[:n]]
+        expected = [e[3] for e in self.order[:n]]
         del self.order[:n]
         for k in expected:
             del self.entry[k]
