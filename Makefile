@@ -135,18 +135,29 @@ libibverbs:
 	  $$SUDO apt-get install -y libibverbs1 || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y libibverbs1; }; }
 
+# Tests run in as many pytest-xdist workers as there are cores: most of them keep
+# one core busy at a time (Python, hypothesis, a server's round trips), so a 2-core
+# machine runs the suite in about two thirds of the time. A file stays on one
+# worker (--dist loadfile), so a module's servers and models are set up once.
+PYTEST_WORKERS ?= auto
+PYTEST = $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+
 # KVTIER_REQUIRE_ALL=1: a missing dependency (vLLM, redis-server, the model)
 # fails the run instead of skipping its tests (see tests/needs.py).
 test-compiled: venv
-	KVTIER_REQUIRE_ALL=1 $(BIN)/python -m pytest -q --durations=15
+	KVTIER_REQUIRE_ALL=1 $(PYTEST)
 
-# The real-model end-to-end tests (marked slow), the tests of real servers in their
-# own processes (marked process) and the model-family equivalence tests (marked
-# families), whose code is the same in both forms, run once, in the compiled pass.
+# The pure-Python pass checks that the fallback of each compiled module behaves as
+# the compiled one does, so it runs the test files that use those modules or the
+# policy and replay layers built on them (found by what the files name, so a new
+# test file joins by itself), less the real-model end-to-end tests (marked slow),
+# the tests of real servers in their own processes (marked process) and the
+# model-family equivalence tests (marked families), whose code is the same in
+# both forms. The rest of the suite runs once, in the compiled pass.
+PURE_TESTS = $(shell grep -lE 'KVCacheManager|BlockPool|BlockTable|kvtier\.(pool|manager|block_table|keys|_tokpack|policy|replay)\b' tests/test_*.py)
 test-pure: venv
-	KVTIER_REQUIRE_ALL=1 KVTIER_PURE_PYTHON=1 $(BIN)/python -m pytest -q \
-	  -m "not slow and not process and not families" \
-	  --durations=15
+	KVTIER_REQUIRE_ALL=1 KVTIER_PURE_PYTHON=1 $(PYTEST) \
+	  -m "not slow and not process and not families" $(PURE_TESTS)
 
 lint: venv
 	$(BIN)/ruff check src tests bench setup.py
