@@ -561,3 +561,7 @@ def test_engine_and_serve_flags_pass_the_admission_to_the_chain() -> None:
     )
     assert engine_config(args).tier_admission == "predicted"
     assert engine_config(parser.parse_args(["serve"])).tier_admission == "write-all"
+    # learned-reuse is serve's default policy, so predicted admission needs no --policy.
+    default = engine_config(parser.parse_args(["serve", "--tier-admission", "predicted"]))
+    assert (default.cache.policy, default.tier_admission) == ("learned-reuse", "predicted")
+    assert engine_config(parser.parse_args(["serve", "--policy", "lru"])).cache.policy == "lru"
