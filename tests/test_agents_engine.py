@@ -23,8 +23,8 @@ from tiny_model import solo_greedy, tiny_model_and_tokenizer
 
 from kvtier import BadRequestError, ConfigError
 from kvtier.agents import sequential, workflow_policy_of
-from kvtier.agents.policy import PINNED
 from kvtier.agents.prefetch import Candidate, plan_prefetch
+from kvtier.agents.ranks import PINNED
 from kvtier.engine import Engine, SamplingParams
 from kvtier.offload.chain import Tier
 from kvtier.offload.disk import DiskStore

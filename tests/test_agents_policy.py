@@ -20,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier import BadRequestError, ConfigError, KVCacheManager, make_policy
 from kvtier.agents import WorkflowPolicy, WorkflowTracker, sequential
-from kvtier.agents.policy import DEFAULT, PINNED, WAITING, workflow_policy_of
+from kvtier.agents.policy import workflow_policy_of
+from kvtier.agents.ranks import DEFAULT, PINNED, WAITING
 
 FALLBACKS = ["lru", "learned-reuse", "arc", "s3fifo", "lfu", "fifo", "sieve", "gdsf", "hybrid"]
 

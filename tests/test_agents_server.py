@@ -11,7 +11,8 @@ import pytest
 from serving import MODEL, serving
 from tiny_model import tiny_engine
 
-from kvtier.agents.policy import PINNED, workflow_policy_of
+from kvtier.agents.policy import workflow_policy_of
+from kvtier.agents.ranks import PINNED
 from kvtier.errors import ConfigError
 
 

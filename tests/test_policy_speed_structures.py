@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier import make_policy
-from kvtier.agents.policy import DEFAULT, WorkflowPolicy, _ByReturn
+from kvtier.agents.policy import DEFAULT, WorkflowPolicy
+from kvtier.agents.ranks import ByReturn
 from kvtier.errors import InternalInvariantError
 from kvtier.policy.base import PolicyBase
 from kvtier.replay.simulator import simulate_block
@@ -31,14 +32,14 @@ KEYS = st.integers(0, 24)
 
 
 class ByReturnMachine(RuleBasedStateMachine):
-    """``_ByReturn`` against a sorted list: the latest pin end first, then the deepest key
+    """``ByReturn`` against a sorted list: the latest pin end first, then the deepest key
     in its chain, then the latest push."""
 
     @initialize()
     def setup(self) -> None:
         self.expiry: dict[int, float] = {}
         self.depth: dict[int, int] = {}
-        self.policy = _ByReturn(self.expiry, lambda key: self.depth.get(key, 0))
+        self.policy = ByReturn(self.expiry, lambda key: self.depth.get(key, 0))
         self.policy.bind(64)
         #: Reference: sorted (-until, -depth, -seq, key) of the evictable keys, and the held ones.
         self.order: list[tuple[float, int, int, int]] = []

@@ -39,198 +39,34 @@ probe shows the hints helping again.
 from __future__ import annotations
 
 import heapq
-import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, ClassVar
 
 from kvtier.agents.graph import FAR
+from kvtier.agents.ranks import (
+    DEFAULT,
+    DYNAMIC,
+    MAX_OWNERS,
+    NEVER,
+    PINNED,
+    SHARED,
+    TIMED,
+    WAITING,
+    ByReturn,
+    TailFirstLRU,
+    keep_rank,
+)
+from kvtier.agents.sessions import Session, SessionBook
 from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.hints import Hints, parse_hints
 from kvtier.policy.admission import with_admission
 from kvtier.policy.base import EvictionPolicy, PolicyBase, request_hook
 from kvtier.policy.guard import LRUGuard
-from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.registry import make_policy, register_policy
-
-#: The class of keys no hint ranks (and of every key without hints).
-DEFAULT = 1
-#: ``reuse="never"`` and the blocks of ended sessions: evicted before anything else.
-NEVER = 0
-#: Dynamic suffixes take ranks DYNAMIC .. DYNAMIC + FAR (the agent due soonest highest).
-DYNAMIC = 2
-#: TTL-pinned keys past the pin cap: after every suffix, before every shared prefix.
-WAITING = DYNAMIC + FAR + 1
-#: Shared prefixes take ranks SHARED .. SHARED + FAR.
-SHARED = WAITING + 1
-#: TTL-pinned keys within the pin cap: evicted last.
-PINNED = 3 * FAR + 10
-_TIMED = frozenset((WAITING, PINNED))
-#: Owners one key remembers at most (a block shared more widely is shared anyway).
-_MAX_OWNERS = 8
-
-
-def keep_rank(distance: int, shared: bool) -> int:
-    """The class of a block ``distance`` steps from use; lower classes are evicted first.
-
-    Every dynamic suffix ranks below every shared prefix; within each, the
-    farther the block's agent, the lower.
-    """
-    return (SHARED if shared else DYNAMIC) + (FAR - min(max(distance, 0), FAR))
-
-
-class _TailFirst(LRUPolicy):
-    """LRU over requests, and within one request's chain the tail first.
-
-    The owner evicts a cached block's descendants with it, so taking a
-    chain's head first would drop the whole chain; tail first leaves a usable
-    prefix (what the agent or session due next can still hit).
-    """
-
-    def insert_many(
-        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
-    ) -> None:
-        if pinned or sizes is not None:
-            super().insert_many(keys, pinned, sizes)
-        else:
-            self._order.update(dict.fromkeys(reversed(keys)))
-
-    def unpin_many(self, keys: Sequence[int]) -> None:
-        super().unpin_many(keys[::-1])
-
-    def access_many(self, keys: Sequence[int]) -> None:
-        order = self._order
-        for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
-
-
-class _ByReturn(PolicyBase):
-    """TTL-pinned keys: the key whose pin ends latest goes first, a chain's tail first.
-
-    ``expiry`` maps a key to when its pin ends (when its session is expected
-    back); a key it does not name never expires. ``depth`` gives a key's
-    position in its chain, so that of keys due back together the deepest go
-    first (evicting a block evicts its descendants). The heap holds
-    ``(-until, -depth, -seq, key)`` entries, valid while ``_live[key]`` is
-    their first three: a re-sort pushes a fresh entry and leaves the old one
-    stale.
-    """
-
-    def __init__(self, expiry: dict[int, float], depth: Callable[[int], int]) -> None:
-        super().__init__()
-        self._expiry = expiry
-        self._depth = depth
-        self._seq = 0
-        #: Evictable keys -> the (-until, -depth, -seq) of their live heap entry.
-        self._live: dict[int, tuple[float, int, int]] = {}
-        self._heap: list[tuple[float, int, int, int]] = []
-        self._held: set[int] = set()
-
-    def _push(self, key: int) -> None:
-        seq = self._seq = self._seq + 1
-        entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
-        self._live[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
-        if len(self._heap) > 4 * len(self._live) + 64:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the stale entries (their pop order never mattered: they are skipped)."""
-        self._heap = [(*e, k) for k, e in self._live.items()]
-        heapq.heapify(self._heap)
-
-    def unpin_many(self, keys: Sequence[int]) -> None:
-        held = self._held
-        live = self._live
-        get = self._expiry.get
-        depth = self._depth
-        push = heapq.heappush
-        inf = math.inf
-        seq = self._seq
-        try:
-            for key in keys:
-                if key not in held:
-                    raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned")
-                held.remove(key)
-                seq += 1
-                entry = (-get(key, inf), -depth(key), -seq)
-                live[key] = entry
-                push(self._heap, (*entry, key))
-        finally:
-            self._seq = seq
-            if len(self._heap) > 4 * len(live) + 64:
-                self._compact()
-
-    def pin_many(self, keys: Sequence[int]) -> None:
-        pop = self._live.pop
-        add = self._held.add
-        for key in keys:
-            if pop(key, None) is None:
-                raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
-            add(key)
-
-    def _pinned_keys(self) -> Iterable[int]:
-        return self._held
-
-    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        if size != 1:
-            self._record_size(key, size)
-        if pinned:
-            self._held.add(key)
-        else:
-            self._push(key)
-
-    def access(self, key: int) -> None:
-        if key in self._live:
-            self._push(key)
-
-    def pin(self, key: int) -> None:
-        if self._live.pop(key, None) is None:
-            raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
-        self._held.add(key)
-
-    def unpin(self, key: int) -> None:
-        try:
-            self._held.remove(key)
-        except KeyError:
-            raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned") from None
-        self._push(key)
-
-    def remove(self, key: int) -> None:
-        if self._live.pop(key, None) is None:
-            if key not in self._held:
-                return
-            self._held.remove(key)
-        if self._sizes:
-            self._forget_size(key)
-
-    def evict(self) -> int | None:
-        heap, live = self._heap, self._live
-        while heap:
-            neg_until, neg_depth, neg_seq, key = heapq.heappop(heap)
-            if live.get(key) == (neg_until, neg_depth, neg_seq):
-                del live[key]
-                if self._sizes:
-                    self._forget_size(key)
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._live) + len(self._held)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._live or key in self._held
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._live)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {**self._state(), "order": sorted(self._live.items()), "pinned": sorted(self._held)}
 
 
 @dataclass(slots=True)
@@ -243,25 +79,6 @@ class _Tag:
     reuse: str | None = None
     #: The key's position in its chain (fixed: keys are chained to their prefix).
     depth: int = 0
-
-
-@dataclass(slots=True)
-class _Session:
-    """One session's last pause: when it started, the TTL hinted, the pauses seen."""
-
-    since: float = 0.0
-    ttl: float | None = None
-    until: float = 0.0
-    #: Mean pause observed between this session's requests (0.0: none seen yet).
-    pause: float = 0.0
-    keys: list[int] = field(default_factory=list)
-    hinted: bool = False
-
-
-#: Sessions remembered at most (the oldest are forgotten first).
-MAX_SESSIONS = 100_000
-#: Pause/TTL ratios kept to learn how far hinted TTLs run short.
-_RATIOS = 512
 
 
 class WorkflowPolicy(PolicyBase):
@@ -347,11 +164,7 @@ class WorkflowPolicy(PolicyBase):
         self.requests = 0
         self.hinted_requests = 0
         self.bypassed = 0
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._ratios: deque[float] = deque(maxlen=_RATIOS)
-        self._stretch = 1.0
-        self._new_ratios = 0
-        self.sessions_ended = 0
+        self.sessions = SessionBook()
         self.tracker.subscribe(self._on_workflow)
 
     def _new_fallback(self) -> EvictionPolicy:
@@ -382,9 +195,9 @@ class WorkflowPolicy(PolicyBase):
                 # Hint-ranked classes order their keys themselves: by when a pin
                 # ends, or by request recency with a chain's tail first.
                 c = (
-                    _ByReturn(self._expiry, self._depth)
-                    if rank >= WAITING and rank in _TIMED
-                    else _TailFirst()
+                    ByReturn(self._expiry, self._depth)
+                    if rank >= WAITING and rank in TIMED
+                    else TailFirstLRU()
                 )
                 if self.capacity:
                     c.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
@@ -540,7 +353,7 @@ class WorkflowPolicy(PolicyBase):
                 if tag.owners:
                     tag.shared = True
                     tag.reuse = None if tag.reuse == "never" else tag.reuse
-                if len(tag.owners) < _MAX_OWNERS:
+                if len(tag.owners) < MAX_OWNERS:
                     tag.owners.append(owner)
                 if held:
                     self._by_agent.setdefault(owner, {})[key] = None
@@ -633,60 +446,20 @@ class WorkflowPolicy(PolicyBase):
         if h.session_id is not None:
             self._session(h, keys, now, progress)
         elif h.cache_ttl_s:
-            self.pin_for(keys, now + h.cache_ttl_s * self._stretch)
+            self.pin_for(keys, now + h.cache_ttl_s * self.sessions.stretch)
 
     # -- sessions ---------------------------------------------------------------------------
     def _session(self, h: Hints, keys: Sequence[int], now: float, progress: bool) -> None:
-        """A session's request: learn its pause, pin it until it is expected back."""
-        sid = h.session_id
-        assert sid is not None
-        sessions = self._sessions
-        rec = sessions.get(sid)
-        if rec is None:
-            rec = sessions[sid] = _Session()
-            while len(sessions) > MAX_SESSIONS:
-                sessions.popitem(last=False)
-        else:
-            sessions.move_to_end(sid)
-            n = len(rec.keys) - 1  # a grown prompt may change the old partial tail block
-            # Only a request that continues the session's chain says when it came back
-            # (a session id that lies about the conversation teaches nothing).
-            if progress and rec.since > 0.0 and n > 0 and list(keys[:n]) == rec.keys[:n]:
-                pause = now - rec.since
-                if rec.ttl:
-                    self._learn(pause / rec.ttl)
-                rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
-        if h.session_end:
-            self.end_session(sid)
+        """A session's request: its pins follow when the session is expected back."""
+        step = self.sessions.observe(h, keys, now, progress)
+        if step.ended is not None:
+            self._end(step.ended)
             return
-        hinted_before = bool(rec.ttl) or rec.hinted
-        if not h.cache_ttl_s and hinted_before and progress:
-            # A session that named a TTL at every pause and now names none is not
-            # waiting on a tool: it is not expected back soon, so its pins end here.
-            self._release(rec.keys, rec.until)
-        rec.since = now
-        rec.hinted = hinted_before
-        rec.ttl = h.cache_ttl_s
-        rec.keys = list(keys)
-        previous = rec.until
-        if h.cache_ttl_s:
-            # When the session is expected back: its hint, stretched by how far
-            # hinted TTLs have run short of the pauses seen.
-            rec.until = now + h.cache_ttl_s * self._stretch
-        elif rec.pause > 0.0 and not hinted_before:
-            rec.until = now + 2.0 * rec.pause  # no hint: its own pauses so far
-        else:
-            return
-        self.pin_for(keys, rec.until, replacing=previous)
-
-    def _learn(self, ratio: float) -> None:
-        self._ratios.append(ratio)
-        self._new_ratios += 1
-        if self._new_ratios >= 32:
-            self._new_ratios = 0
-            ordered = sorted(self._ratios)
-            # Most sessions back within their pin, never less than the hint, at most 4x it.
-            self._stretch = min(max(ordered[int(0.8 * (len(ordered) - 1))], 1.0), 4.0)
+        if step.release is not None:
+            self._release(*step.release)
+        if step.pin is not None:
+            keys, until, previous = step.pin
+            self.pin_for(keys, until, replacing=previous)
 
     def _release(self, keys: Sequence[int], until: float) -> None:
         """End the pins a session set until ``until`` on its own ``keys`` (chain order)."""
@@ -709,10 +482,14 @@ class WorkflowPolicy(PolicyBase):
 
     def end_session(self, session_id: str) -> bool:
         """The session ended: release its pins, its own blocks go first. False if unknown."""
-        rec = self._sessions.pop(session_id, None)
+        rec = self.sessions.end(session_id)
         if rec is None:
             return False
-        self.sessions_ended += 1
+        self._end(rec)
+        return True
+
+    def _end(self, rec: Session) -> None:
+        """Release an ended session's pins; its own blocks are never reused."""
         tags = self._tags
         resident = self._global
         for key in reversed(rec.keys):
@@ -725,18 +502,16 @@ class WorkflowPolicy(PolicyBase):
                 tag.reuse = "never"
             if key in resident:
                 self._move(key)
-        return True
 
     def session_stats(self) -> dict[str, int]:
         """Sessions now: tracked, live (pinned until later than now), expired, ended; blocks."""
-        now = self._now
-        live = sum(1 for r in self._sessions.values() if r.until > now)
+        live = self.sessions.live(self._now)
         waiting = self._classes.get(WAITING)
         return {
-            "tracked": len(self._sessions),
+            "tracked": len(self.sessions),
             "live": live,
-            "expired": len(self._sessions) - live,
-            "ended": self.sessions_ended,
+            "expired": len(self.sessions) - live,
+            "ended": self.sessions.ended,
             "pinned_blocks": self._protected_used,
             "waiting_blocks": 0 if waiting is None else len(waiting),
         }
@@ -786,7 +561,7 @@ class WorkflowPolicy(PolicyBase):
             if key in resident:
                 self._protect(key, until)
                 c = classes.get(class_of.get(key, DEFAULT))
-                if isinstance(c, _ByReturn):
+                if isinstance(c, ByReturn):
                     c.access(key)  # its pin ends at another time now: re-sort it
 
     def _protect(self, key: int, until: float) -> None:

@@ -1,0 +1,144 @@
+"""Sessions' pauses for the workflow policy: when each session is expected back.
+
+A session (``session_id``) sends a request, pauses (a tool call, a user
+typing) and sends the next one, which continues the same chain of blocks.
+:class:`SessionBook` remembers each session's last request and learns from
+the pauses it sees, and for every new request says what the policy should do
+with the session's TTL pins, as data (:class:`SessionStep`):
+
+* pin the request's blocks until the session is expected back: its
+  ``cache_ttl_s``, stretched by how far hinted TTLs have run short of the
+  pauses seen; without a hint, twice the session's own mean pause;
+* release the pins of a session that named a TTL at every pause and now
+  names none (it is not waiting on a tool, so not expected back soon);
+* end a session that says so (``session_end``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.errors import InternalInvariantError
+from kvtier.hints import Hints
+
+#: Sessions remembered at most (the oldest are forgotten first).
+MAX_SESSIONS = 100_000
+#: Pause/TTL ratios kept to learn how far hinted TTLs run short.
+RATIOS = 512
+#: New ratios between two re-estimates of the stretch.
+_RELEARN = 32
+
+
+@dataclass(slots=True)
+class Session:
+    """One session's last pause: when it started, the TTL hinted, the pauses seen."""
+
+    since: float = 0.0
+    ttl: float | None = None
+    until: float = 0.0
+    #: Mean pause observed between this session's requests (0.0: none seen yet).
+    pause: float = 0.0
+    #: The last request's block keys, in chain order.
+    keys: list[int] = field(default_factory=list)
+    hinted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStep:
+    """What one request of a session asks of the policy's TTL pins.
+
+    ``release``: end the pins this session set until ``until`` on ``keys``.
+    ``pin``: pin ``keys`` until ``until``, superseding the session's pin that
+    ended at ``replacing``. ``ended``: the session ended; release everything
+    it held.
+    """
+
+    release: tuple[Sequence[int], float] | None = None
+    pin: tuple[Sequence[int], float, float] | None = None
+    ended: Session | None = None
+
+
+class SessionBook:
+    """Every session's last request and pause, and the stretch learned from them."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._ratios: deque[float] = deque(maxlen=RATIOS)
+        self._new_ratios = 0
+        #: By how much a hinted TTL is stretched: most sessions come back within it.
+        self.stretch = 1.0
+        self.ended = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def observe(self, h: Hints, keys: Sequence[int], now: float, progress: bool) -> SessionStep:
+        """A request of session ``h.session_id`` using ``keys`` at ``now``.
+
+        ``progress`` is False for the call made when a request finishes,
+        which pins its generated blocks too but says nothing of a pause.
+        """
+        sid = h.session_id
+        if sid is None:
+            raise InternalInvariantError("a session step needs a request with a session_id")
+        sessions = self._sessions
+        rec = sessions.get(sid)
+        if rec is None:
+            rec = sessions[sid] = Session()
+            while len(sessions) > self.max_sessions:
+                sessions.popitem(last=False)
+        else:
+            sessions.move_to_end(sid)
+            n = len(rec.keys) - 1  # a grown prompt may change the old partial tail block
+            # Only a request that continues the session's chain says when it came back
+            # (a session id that lies about the conversation teaches nothing).
+            if progress and rec.since > 0.0 and n > 0 and list(keys[:n]) == rec.keys[:n]:
+                pause = now - rec.since
+                if rec.ttl:
+                    self._learn(pause / rec.ttl)
+                rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
+        if h.session_end:
+            ended = self.end(sid)
+            return SessionStep(ended=ended)
+        hinted_before = bool(rec.ttl) or rec.hinted
+        release = None
+        if not h.cache_ttl_s and hinted_before and progress:
+            release = (rec.keys, rec.until)
+        rec.since = now
+        rec.hinted = hinted_before
+        rec.ttl = h.cache_ttl_s
+        rec.keys = list(keys)
+        previous = rec.until
+        if h.cache_ttl_s:
+            rec.until = now + h.cache_ttl_s * self.stretch
+        elif rec.pause > 0.0 and not hinted_before:
+            rec.until = now + 2.0 * rec.pause  # no hint: its own pauses so far
+        else:
+            return SessionStep(release=release)
+        return SessionStep(release=release, pin=(rec.keys, rec.until, previous))
+
+    def end(self, session_id: str) -> Session | None:
+        """Forget the session; its record, or None if it is unknown."""
+        rec = self._sessions.pop(session_id, None)
+        if rec is not None:
+            self.ended += 1
+        return rec
+
+    def live(self, now: float) -> int:
+        """Sessions pinned until later than ``now``."""
+        return sum(1 for r in self._sessions.values() if r.until > now)
+
+    def _learn(self, ratio: float) -> None:
+        self._ratios.append(ratio)
+        self._new_ratios += 1
+        if self._new_ratios >= _RELEARN:
+            self._new_ratios = 0
+            ordered = sorted(self._ratios)
+            # Most sessions back within their pin, never less than the hint, at most 4x it.
+            self.stretch = min(max(ordered[int(0.8 * (len(ordered) - 1))], 1.0), 4.0)
