@@ -21,7 +21,7 @@ from kvtier.errors import KvTierError
 from kvtier.offload.codec import RawCodec
 from kvtier.offload.media import BlockStore, PutItem, stage
 from kvtier.offload.tier import Tier
-from kvtier.offload.transfer import TransferEngine, TransferResult
+from kvtier.offload.transfer import TransferEngine, TransferResult, chunks
 from kvtier.storage import KVBlockStorage, QuantizedKVBlockStorage
 
 
@@ -119,14 +119,19 @@ class Demoter:
             tier.counters.stored_bytes += nbytes
             return
         # Raw payloads are views of device blocks (or host slots) that may be
-        # reused before the write runs: snapshot them, with room for the header
-        # in front so a one-value medium sends header and payload without
-        # another copy. int8/fp8 encodes are already fresh memory.
-        if tier.codec.codec_id == RawCodec.codec_id:
-            items = [(k, s, stage(p), f) for k, s, p, f in items]
-        snap = items
-        job = self.transfer.submit("store", Writer(tier.medium, snap), t)
-        self.pending[job] = (t, out.keys_to_store, nbytes)
+        # reused before the write runs: snapshot them, hashed as they are copied
+        # and with their header in front, so a one-value medium writes header
+        # and payload without another copy. int8/fp8 encodes are already fresh
+        # memory. A large batch goes out in parts: the first part's writes run
+        # while the next one is copied.
+        raw = tier.codec.codec_id == RawCodec.codec_id
+        sizes = [int(p.numel()) for _, _, p, _ in items]
+        for first, count in chunks(sizes):
+            part = items[first : first + count]
+            if raw:
+                part = [(k, s, stage(p, k, f), f) for k, s, p, f in part]
+            job = self.transfer.submit("store", Writer(tier.medium, part), t)
+            self.pending[job] = (t, [k for k, _, _, _ in part], sum(sizes[first : first + count]))
 
     def next_writes_back(self, t: int) -> bool:
         """Whether tier ``t + 1`` exists and takes what tier ``t`` evicts (write-back)."""

@@ -18,7 +18,9 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,7 +32,7 @@ from kvtier.errors import (
     TierUnavailableError,
 )
 from kvtier.offload.codec import HEADER_SIZE, as_buffer, pack_header
-from kvtier.offload.media import MediumCaps, PutItem, Stored
+from kvtier.offload.media import MediumCaps, PutItem, Stored, staged_blob
 
 _SUFFIX = ".kvb"
 #: Write errors that mean "no room" (a full disk, a quota, a file-size limit), not "gone".
@@ -50,6 +52,30 @@ def _write_all(fd: int, header: bytes, data: memoryview) -> None:
             done += os.write(fd, data[done - len(header) :])
 
 
+def _read_streamed(
+    fd: int, bufs: Sequence[memoryview], chunk: int, on_chunk: Callable[[memoryview], object]
+) -> int:
+    """:meth:`DiskStore.read_into` a chunk of ``bufs[1]`` at a time; stops at a short read."""
+    head, body, rest = bufs[0], bufs[1], list(bufs[2:])
+    piece = body[:chunk]
+    got = os.readv(fd, [head, piece])
+    if got < len(head) + len(piece):
+        if got > len(head):
+            on_chunk(piece[: got - len(head)])
+        return got
+    on_chunk(piece)
+    for at in range(len(piece), len(body), chunk):
+        piece = body[at : at + chunk]
+        n = os.readv(fd, [piece])
+        got += n
+        if n < len(piece):
+            if n:
+                on_chunk(piece[:n])
+            return got
+        on_chunk(piece)
+    return got + (os.readv(fd, rest) if rest else 0)
+
+
 def _read_all(fd: int, buf: memoryview) -> int:
     """Fill ``buf`` from ``fd`` (fewer bytes only at the end of the file); bytes read."""
     got = 0
@@ -63,6 +89,28 @@ def _read_all(fd: int, buf: memoryview) -> int:
 
 log = logging.getLogger("kvtier.offload")
 
+_advisor_pool: ThreadPoolExecutor | None = None
+_advisor_lock = threading.Lock()
+
+
+def _advisor() -> ThreadPoolExecutor:
+    """The thread that asks the kernel to read files ahead (:meth:`DiskStore.prefetch`)."""
+    global _advisor_pool
+    with _advisor_lock:
+        if _advisor_pool is None:
+            _advisor_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-readahead")
+        return _advisor_pool
+
+
+def _forget_advisor() -> None:
+    # A forked child has none of the parent's threads: it starts its own.
+    global _advisor_pool
+    _advisor_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_advisor)
+
 
 class DiskStore:
     """Encoded blocks as files under ``root``."""
@@ -74,6 +122,12 @@ class DiskStore:
         self.root = Path(root)
         #: fsync each file before renaming it: survives power loss, at a large cost.
         self.fsync = fsync
+        #: A load's background step only asks the kernel to read the files ahead
+        #: (:meth:`prefetch`) and the load reads each one straight into its device
+        #: block (:meth:`read_into`). The tier chain turns this off for device
+        #: blocks outside host memory, which a read cannot fill directly: the
+        #: background step then reads the files whole (:meth:`get`).
+        self.defer_reads = True
         self._dir = self.root
         self._bound = False
         self._lost_logged = False
@@ -102,9 +156,14 @@ class DiskStore:
             raise InternalInvariantError("DiskStore used before bind()")
         pid = os.getpid()
         for key, _slot, payload, fmt in items:
-            cpu = payload.cpu() if payload.device.type != "cpu" else payload
-            data = as_buffer(cpu.reshape(-1))
-            header = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, data)
+            # A staged snapshot has its header in front of it already: one buffer.
+            blob = staged_blob(fmt, key, payload)
+            if blob is not None:
+                header, data = b"", blob
+            else:
+                cpu = payload.cpu() if payload.device.type != "cpu" else payload
+                data = as_buffer(cpu.reshape(-1))
+                header = pack_header(fmt.codec, key, fmt.shape, fmt.dtype, data)
             final = self._file(key)
             tmp = f"{final}.tmp{pid}"
             try:
@@ -167,6 +226,70 @@ class DiskStore:
             # A file that shrank while read comes back short: the checksum will tell.
             out.append((bytes(as_buffer(buf[: min(got, HEADER_SIZE)])), buf[HEADER_SIZE:got]))
         return out
+
+    def prefetch(self, items: Sequence[tuple[int, int]]) -> None:
+        """Ask the kernel to start reading these blocks' files into the page cache.
+
+        Returns at once: a thread of this module asks for each file in turn
+        (``posix_fadvise`` WILLNEED), running ahead of the reads that follow;
+        files that are absent or unreadable are skipped, :meth:`read_into`
+        reports them.
+        """
+        if getattr(os, "posix_fadvise", None) is None:
+            return  # not on Linux: the read itself fetches the file
+        _advisor().submit(self._advise, [self._file(key) for key, _ in items])
+
+    @staticmethod
+    def _advise(paths: list[str]) -> None:
+        for path in paths:
+            try:
+                fd = os.open(path, _READ_FLAGS)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def read_into(
+        self,
+        key: int,
+        slot: int,
+        bufs: Sequence[memoryview],
+        *,
+        chunk: int = 0,
+        on_chunk: Callable[[memoryview], object] | None = None,
+    ) -> int | None:
+        """Read block ``key``'s file into ``bufs`` in order (no other copy).
+
+        Returns the bytes read, or ``None`` when the file is absent. Fewer bytes
+        than the buffers hold mean a shorter file (or, rarely, a read the kernel
+        cut short); a file longer than the buffers is left unread past them. The
+        caller checks what it got (:func:`~kvtier.offload.codec.check_header`,
+        the checksum) and reads the file whole (:meth:`get`) when that fails.
+
+        With ``on_chunk``, ``bufs[1]`` (the payload) is read ``chunk`` bytes at
+        a time and each piece is handed to ``on_chunk`` as soon as it is in,
+        while it is still in cache (to hash it); otherwise one ``readv`` reads
+        everything.
+        """
+        path = self._file(key)
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TierUnavailableError(f"cannot read block file {path}: {exc}") from None
+        try:
+            if on_chunk is None or chunk <= 0 or len(bufs) < 2:
+                return os.readv(fd, bufs)
+            return _read_streamed(fd, bufs, chunk, on_chunk)
+        except OSError as exc:
+            raise TierUnavailableError(f"cannot read block file {path}: {exc}") from None
+        finally:
+            os.close(fd)
 
     def delete(self, items: Sequence[tuple[int, int]]) -> None:
         for key, _slot in items:

@@ -13,7 +13,8 @@ back to back on the device and land in consecutive slots move together),
 all issued at once on the current CUDA stream; each chunk's checksums are
 taken once its event fires, on the checksum pool for large batches, so
 hashing one chunk overlaps the copies of the next. Payloads already in host
-memory are copied and hashed one at a time, as nothing would overlap.
+memory are copied and hashed in one pass per item, a cache-sized chunk at a
+time (:func:`~kvtier.offload.codec.copy_checksum`), as nothing would overlap.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.offload.codec import PAYLOAD_LENGTH_OFFSET as _LENGTH_AT
-from kvtier.offload.codec import as_buffer, header_for, pack_header
+from kvtier.offload.codec import as_buffer, copy_checksum, header_for, pack_header
 from kvtier.offload.media import MediumCaps, PutItem, Stored
 from kvtier.offload.transfer import Part, checksums, chunks, parallel_worth, runs, span
 
@@ -103,13 +104,17 @@ class HostStore:
             dsts.append(rows[slot, : flat.numel()])
         keys = [k for k, _, _, _ in items]
         lengths = [int(t.numel()) for t in srcs]
-        # From host memory the copies are synchronous and nothing overlaps them:
-        # each item is hashed right after its copy, while its bytes are still in
-        # this core's cache (handing them to the pool measured slower).
-        from_host = all(t.device.type == "cpu" for t in srcs)
-        parallel = not from_host and parallel_worth(sum(lengths))
+        if all(t.device.type == "cpu" for t in srcs):
+            # From host memory the copies are synchronous and nothing overlaps them:
+            # each item is copied and hashed in one pass, a cache-sized chunk at a
+            # time (handing the hashes to the pool measured slower).
+            for (key, slot, _, fmt), src, dst, n in zip(items, srcs, dsts, lengths, strict=True):
+                checksum = copy_checksum(key, src, dst)
+                headers[slot] = header_for(fmt.codec, key, fmt.shape, fmt.dtype, n, checksum)
+            return
+        parallel = parallel_worth(sum(lengths))
         pending = []
-        for first, count in chunks(lengths, 1 if from_host else None):
+        for first, count in chunks(lengths):
             parts: list[Part] = []
             devices: set[torch.device] = set()
             for start, n in runs(srcs[first : first + count], dsts[first : first + count]):

@@ -24,15 +24,25 @@ anything is decoded.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kvtier.offload.codec import HEADER_SIZE, Codec, as_buffer, make_header, pack_header
+from kvtier.offload.codec import (
+    HEADER_SIZE,
+    Codec,
+    as_buffer,
+    copy_checksum,
+    header_for,
+    make_header,
+    pack_header,
+    payload_checksum,
+)
 
 # torch.frombuffer on immutable bytes warns that the tensor is read-only;
 # stored payloads are only ever read.
@@ -99,7 +109,11 @@ class BlockStore(Protocol):
         ...
 
     def put(self, items: Sequence[PutItem]) -> None:
-        """Store encoded payloads ``(key, slot, payload, format)``; all or raise."""
+        """Store encoded payloads ``(key, slot, payload, format)``; all or raise.
+
+        The payloads are the caller's: a medium copies what it keeps (staged
+        snapshots are reused once the write that got them has returned).
+        """
         ...
 
     def get(self, items: Sequence[tuple[int, int]]) -> list[Stored | None]:
@@ -123,45 +137,162 @@ class BlockStore(Protocol):
     def close(self) -> None: ...
 
 
+class ReadsInto(Protocol):
+    """A medium that can read a block straight into memory the caller owns (a file).
+
+    Where the device blocks are in host memory the tier chain uses this
+    instead of :meth:`BlockStore.get`: a load's background step only calls
+    :meth:`prefetch`, and verifying the load reads each block with
+    :meth:`read_into` into its device block (the header into a small buffer),
+    so the payload is copied once, and checked where it landed.
+    """
+
+    #: Whether loads defer their reads to :meth:`read_into` (the chain turns it off
+    #: when its device blocks are not in host memory).
+    defer_reads: bool
+
+    def prefetch(self, items: Sequence[tuple[int, int]]) -> None:
+        """Start fetching these items (returns at once; absent ones are skipped)."""
+        ...
+
+    def read_into(
+        self,
+        key: int,
+        slot: int,
+        bufs: Sequence[memoryview],
+        *,
+        chunk: int = 0,
+        on_chunk: Callable[[memoryview], object] | None = None,
+    ) -> int | None:
+        """Read item ``key`` (header then payload) into ``bufs`` in order; bytes read,
+        ``None`` when absent. With ``on_chunk``, each ``chunk`` bytes of ``bufs[1]``
+        are handed to it as they come in."""
+        ...
+
+
 def pack_blob(fmt: ItemFormat, key: int, payload: torch.Tensor) -> bytes:
     """Header plus payload as one ``bytes`` value (for media that need ``bytes``)."""
     return bytes(blob_view(fmt, key, payload))
 
 
-def stage(payload: torch.Tensor) -> torch.Tensor:
+def stage(
+    payload: torch.Tensor, key: int | None = None, fmt: ItemFormat | None = None
+) -> torch.Tensor:
     """A snapshot of ``payload`` (on the CPU) with room for its header in front.
 
     The returned tensor is the copy of the payload; :func:`blob_view` later
     writes the header into the bytes before it and hands header and payload
     out as one buffer, so a medium that stores one value per block (a Redis
-    string) sends it without another copy.
+    string, a file) writes it without another copy. Given the block's
+    ``key`` and ``fmt``, the header is written now, the payload hashed as it
+    is copied (:func:`~kvtier.offload.codec.copy_checksum`): the background
+    write then neither hashes nor copies.
     """
     flat = payload.reshape(-1)
-    blob = torch.empty(HEADER_SIZE + int(flat.numel()), dtype=torch.uint8)
+    n = int(flat.numel())
+    blob = _take_blob(HEADER_SIZE + n)
     view = blob[HEADER_SIZE:]
-    view.copy_(flat)
+    headed: tuple[int, ItemFormat] | None = None
+    if key is not None and fmt is not None:
+        if flat.device.type == "cpu":
+            checksum = copy_checksum(key, flat, view)
+        else:
+            view.copy_(flat)
+            checksum = payload_checksum(key, as_buffer(view))
+        header = header_for(fmt.codec, key, fmt.shape, fmt.dtype, n, checksum)
+        as_buffer(blob)[:HEADER_SIZE] = header
+        headed = (key, fmt)
+    else:
+        view.copy_(flat)
     vid = id(view)
-    _staged[vid] = weakref.ref(blob)
-    # Dropped with the view, before its id can be reused.
-    weakref.finalize(view, _staged.pop, vid, None)
+    _staged[vid] = (weakref.ref(blob), headed)
+    # Dropped with the view, before its id can be reused; the buffer is then reused.
+    weakref.finalize(view, _release_blob, vid, blob)
     return view
 
 
-_staged: dict[int, weakref.ref[torch.Tensor]] = {}
+#: Staged views (by id): their buffer, and the key and format whose header is in it.
+_staged: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ItemFormat] | None]] = {}
+
+#: Bytes of staging buffers kept for reuse once their snapshot is written: a fresh
+#: buffer faults its pages in as it is filled, which costs about as much as the copy.
+STAGE_POOL_BYTES = 256 << 20
+_free_blobs: dict[int, list[torch.Tensor]] = {}
+_free_bytes = 0
+_free_lock = threading.Lock()
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (a large number where torch cannot tell)."""
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError):
+        return 1 << 30
+
+
+# What the count says of a buffer that only its own tensor uses.
+_ALONE = _storage_users(torch.empty(1, dtype=torch.uint8))
+
+
+def _take_blob(size: int) -> torch.Tensor:
+    """A staging buffer of ``size`` bytes: a pooled one when there is one (not zeroed)."""
+    global _free_bytes
+    with _free_lock:
+        free = _free_blobs.get(size)
+        if free:
+            _free_bytes -= size
+            return free.pop()
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _release_blob(vid: int, blob: torch.Tensor) -> None:
+    """The staged view ``vid`` of ``blob`` is gone: keep ``blob`` for the next snapshot."""
+    global _free_bytes
+    _staged.pop(vid, None)
+    # The dying view still counts here. A buffer any other tensor still shares
+    # (a medium that kept a view of its payload) is left to the allocator.
+    if _storage_users(blob) > _ALONE + 1:
+        return
+    size = int(blob.numel())
+    with _free_lock:
+        if _free_bytes + size > STAGE_POOL_BYTES:
+            return
+        _free_blobs.setdefault(size, []).append(blob)
+        _free_bytes += size
+
+
+def drop_staging_pool() -> int:
+    """Free the staging buffers kept for reuse; returns the bytes freed."""
+    global _free_bytes
+    with _free_lock:
+        freed, _free_bytes = _free_bytes, 0
+        _free_blobs.clear()
+    return freed
+
+
+def staged_blob(fmt: ItemFormat, key: int, payload: torch.Tensor) -> memoryview | None:
+    """Header plus payload as one buffer when ``payload`` came from :func:`stage`
+    (its header written in place if :func:`stage` did not already); else ``None``."""
+    entry = _staged.get(id(payload))
+    blob = entry[0]() if entry is not None else None
+    if blob is None or payload._base is not blob:
+        return None
+    out = as_buffer(blob)
+    assert entry is not None
+    if entry[1] != (key, fmt):
+        out[:HEADER_SIZE] = make_header(fmt.codec, key, fmt.shape, fmt.dtype, payload)
+    return out
 
 
 def blob_view(fmt: ItemFormat, key: int, payload: torch.Tensor) -> memoryview:
     """Header plus payload as one contiguous buffer.
 
-    A payload from :func:`stage` gets its header written in place (no copy);
+    A payload from :func:`stage` comes with its header in place (no copy);
     any other is copied once into a new buffer after its header.
     """
-    ref = _staged.get(id(payload))
-    blob = ref() if ref is not None else None
-    if blob is not None and payload._base is blob:
-        out = as_buffer(blob)
-        out[:HEADER_SIZE] = make_header(fmt.codec, key, fmt.shape, fmt.dtype, payload)
-        return out
+    staged = staged_blob(fmt, key, payload)
+    if staged is not None:
+        return staged
     cpu = payload.cpu() if payload.device.type != "cpu" else payload
     data = as_buffer(cpu.reshape(-1))
     # torch.empty: no zero fill of bytes that are overwritten at once.

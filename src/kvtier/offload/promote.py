@@ -8,27 +8,69 @@ dtype, checksum) and writes it into its device block, stopping at the first
 block that is missing or damaged: nothing unverified reaches the device, and
 the engine computes the rest.
 
-A large batch's checksums are taken on the checksum pool, a run of payloads
-per task, while the runs already verified are copied in: raw payloads that
-lie back to back and go to consecutive device blocks move with one copy,
-asynchronously from pinned memory, and the batch waits for its copies once,
-at the end.
+Where the device blocks are in host memory, a batch is installed one block
+at a time, each copied once: a raw payload from host memory is copied into
+its device block and hashed in the same pass, a chunk at a time
+(:func:`~kvtier.offload.codec.copy_checksum`), and a file is read straight
+into its device block (the header into a small buffer) and hashed there,
+while its bytes are still in cache. The load's background step then only
+asked the kernel to fetch the files (:class:`~kvtier.offload.media.ReadsInto`).
+A raw block that fails its checks after landing is zero-filled at once (as
+is any block a parallel read got to past it), and the load stops there:
+none of its bytes stay in the device, and they never count as loaded.
+
+Otherwise (device blocks on a GPU) a large batch's checksums are taken on the
+checksum pool, a run of payloads per task, while the runs already verified
+are copied in: raw payloads that lie back to back and go to consecutive
+device blocks move with one copy, asynchronously from pinned memory, and the
+batch waits for its copies once, at the end.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-from kvtier.errors import CorruptBlockError
-from kvtier.offload.codec import Codec, RawCodec, check_header, decode_into
-from kvtier.offload.media import BlockStore, Stored
-from kvtier.offload.tier import Tier
+from kvtier.errors import CorruptBlockError, KvTierError
+from kvtier.offload import codec as _codec
+from kvtier.offload.codec import (
+    HEADER_SIZE,
+    Codec,
+    RawCodec,
+    as_buffer,
+    check_header,
+    checksum_pool,
+    checksum_workers,
+    copy_checksum,
+    decode_into,
+    payload_checksum,
+    payload_hasher,
+)
+from kvtier.offload.media import BlockStore, ItemFormat, ReadsInto, Stored
+from kvtier.offload.tier import Tier, TierCounters
 from kvtier.offload.transfer import Part, checksums, chunks, parallel_worth, runs, span
 from kvtier.storage import KVBlockStorage
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredRead:
+    """A load's background step on a :class:`ReadsInto` medium: only prefetched.
+
+    :func:`install` reads ``items`` (``(key, slot)``, in the batch's order)
+    straight into their device blocks.
+    """
+
+    medium: ReadsInto
+    items: list[tuple[int, int]]
+
+
+#: What a batch's read gave: each item (``None``: absent), or reads left to install.
+Fetched = list[Stored | None] | DeferredRead
 
 
 @dataclass
@@ -41,7 +83,7 @@ class LoadBatch:
     blocks: list[int]
     slots: list[int] = field(default_factory=list)
     job: int = -1
-    stored: list[Stored | None] | None = None
+    stored: Fetched | None = None
     error: BaseException | None = None
 
 
@@ -82,8 +124,221 @@ def install(storage: KVBlockStorage, tier: Tier, batch: LoadBatch) -> Installed:
 
     Stops at the first missing or damaged item. Counts on ``tier.counters``;
     the caller drops the bad key from the tier and touches the loaded ones.
+    A medium that fails mid-batch is reported to ``tier.health``; the blocks
+    before it count.
     """
-    assert batch.stored is not None
+    stored = batch.stored
+    assert stored is not None
+    in_host = storage.device.type == "cpu"
+    if isinstance(stored, DeferredRead):
+        if in_host:
+            return _install_inline(storage, tier, batch, stored)
+        # No read fills a GPU block directly: read this batch whole now, and
+        # let later loads read in the background again.
+        stored.medium.defer_reads = False
+        try:
+            stored = batch.stored = cast(BlockStore, stored.medium).get(stored.items)
+        except KvTierError as exc:
+            tier.health.failed(exc)
+            return Installed(0)
+    if in_host and all(got is None or got[1].device.type == "cpu" for got in stored):
+        return _install_inline(storage, tier, batch, stored)
+    return _install_batched(storage, tier, batch, stored)
+
+
+def _install_inline(
+    storage: KVBlockStorage, tier: Tier, batch: LoadBatch, source: Fetched
+) -> Installed:
+    """:func:`install` into device blocks in host memory: each payload copied once and
+    hashed while it is in cache (see the module docstring)."""
+    c = tier.counters
+    fmt = tier.fmt
+    assert fmt is not None
+    keys, blocks = batch.keys, batch.blocks
+    direct = storage.tensor if storage.layout_kind == "block" and storage.codec is None else None
+    writer = _Writer(storage, tier)
+    if not isinstance(source, DeferredRead):
+        for i, item in enumerate(source):
+            if item is None:
+                c.vanished_blocks += 1
+                return Installed(i, keys[i])
+            stop = _install_one(c, writer, direct, keys[i], blocks[i], item, fmt.shape, fmt.dtype)
+            if stop is not None:
+                c.corrupt_blocks += 1
+                return Installed(i, keys[i], stop)
+        return Installed(len(keys))
+    medium = source.medium
+    slots = [slot for _, slot in source.items]
+    start = 0
+    if (
+        direct is not None
+        and fmt.codec.codec_id == RawCodec.codec_id
+        and direct.is_contiguous()
+        and direct[0].numel() * direct.element_size() == fmt.payload_size
+    ):
+        start, failure = _read_blocks(medium, keys, slots, direct, blocks, fmt)
+        c.loaded_blocks += start
+        c.loaded_bytes += start * fmt.payload_size
+        if failure is not None:
+            tier.health.failed(failure)
+            return Installed(start)
+    # The rest (another codec, or from the first raw block that did not check out):
+    # each read into one buffer reused for the batch, then verified and written.
+    # One byte more than a payload: a file longer than its block reads long.
+    scratch = torch.empty(fmt.payload_size + 1, dtype=torch.uint8)
+    header = memoryview(bytearray(HEADER_SIZE))
+    for i in range(start, len(keys)):
+        key, block, slot = keys[i], blocks[i], slots[i]
+        try:
+            n = medium.read_into(key, slot, [header, as_buffer(scratch)])
+            got: Stored | None = None
+            if n is not None:
+                got = (header[: min(n, HEADER_SIZE)], scratch[: max(0, n - HEADER_SIZE)])
+                if _install_one(c, writer, direct, key, block, got, fmt.shape, fmt.dtype) is None:
+                    continue
+                # Damaged, or cut short, or another codec's larger payload: the
+                # whole file, read the usual way, decides.
+                got = cast(BlockStore, medium).get([(key, slot)])[0]
+        except KvTierError as exc:
+            tier.health.failed(exc)
+            return Installed(i)
+        if got is None:
+            c.vanished_blocks += 1
+            return Installed(i, key)
+        stop = _install_one(c, writer, direct, key, block, got, fmt.shape, fmt.dtype)
+        if stop is not None:
+            c.corrupt_blocks += 1
+            return Installed(i, key, stop)
+    return Installed(len(keys))
+
+
+def _read_blocks(
+    medium: ReadsInto,
+    keys: list[int],
+    slots: list[int],
+    direct: torch.Tensor,
+    blocks: list[int],
+    fmt: ItemFormat,
+) -> tuple[int, KvTierError | None]:
+    """Read raw files straight into device ``blocks`` of ``direct`` and verify them there.
+
+    Returns how many leading blocks are good, and the error of a medium that
+    failed. A large batch is read by several threads, a run of blocks each;
+    past the first block that is not good, nothing read stays in the device
+    blocks.
+    """
+    n = len(keys)
+    memory = as_buffer(direct.view(-1).view(torch.uint8))
+    pool = checksum_pool() if n > 1 and parallel_worth(n * fmt.blob_size) else None
+    if pool is None:
+        return _read_run(medium, keys, slots, direct, memory, blocks, fmt)
+    step = -(-n // min(n, checksum_workers()))
+    starts = list(range(0, n, step))
+
+    def run(at: int) -> tuple[int, KvTierError | None]:
+        end = at + step
+        return _read_run(medium, keys[at:end], slots[at:end], direct, memory, blocks[at:end], fmt)
+
+    futures = [pool.submit(run, at) for at in starts[1:]]
+    try:
+        results = [run(0)]
+    finally:
+        # The other runs write into device blocks: wait for every one of them.
+        wait_futures(futures)
+    results += [f.result() for f in futures]
+    for k, (good, error) in enumerate(results):
+        if good < min(step, n - starts[k]):
+            # Later runs may have read good blocks past this one: they do not count.
+            for at, (later, _) in zip(starts[k + 1 :], results[k + 1 :], strict=True):
+                for block in blocks[at : at + later]:
+                    direct[block].zero_()
+            return starts[k] + good, error
+    return n, None
+
+
+def _read_run(
+    medium: ReadsInto,
+    keys: list[int],
+    slots: list[int],
+    direct: torch.Tensor,
+    memory: memoryview,
+    blocks: list[int],
+    fmt: ItemFormat,
+) -> tuple[int, KvTierError | None]:
+    """:func:`_read_blocks` on one thread: stops at the first block that is not good
+    (and zero-fills it). ``memory`` is ``direct``'s bytes."""
+    header = memoryview(bytearray(HEADER_SIZE))
+    # One byte past the block: a file longer than it reads long.
+    tail = memoryview(bytearray(1))
+    size = fmt.payload_size
+    for i, (key, slot, block) in enumerate(zip(keys, slots, blocks, strict=True)):
+        dst = memory[block * size : (block + 1) * size]
+        # Hashed a chunk at a time as the chunks come in, while they are in cache.
+        hasher = payload_hasher(key)
+        try:
+            n = medium.read_into(
+                key, slot, [header, dst, tail], chunk=_codec.COPY_CHUNK, on_chunk=hasher.update
+            )
+        except KvTierError as exc:
+            direct[block].zero_()  # what a failed read left there
+            return i, exc
+        if n is None:
+            return i, None
+        if not _verified_in_place(header, hasher.intdigest(), n, key, fmt):
+            direct[block].zero_()
+            return i, None
+    return len(keys), None
+
+
+def _verified_in_place(header: memoryview, digest: int, n: int, key: int, fmt: ItemFormat) -> bool:
+    """Whether a raw block read in place (``n`` bytes with its header, its payload's
+    checksum ``digest``) is good."""
+    if n != fmt.blob_size:
+        return False
+    try:
+        codec, checksum = check_header(header, key, fmt.shape, fmt.dtype, n - HEADER_SIZE)
+    except CorruptBlockError:
+        return False
+    return codec.codec_id == RawCodec.codec_id and digest == checksum
+
+
+def _install_one(
+    c: TierCounters,
+    writer: _Writer,
+    direct: torch.Tensor | None,
+    key: int,
+    block: int,
+    got: Stored,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> CorruptBlockError | None:
+    """Verify one payload in host memory and write it into device ``block``; the error
+    that stopped it, if any (the device block then holds nothing of it)."""
+    header, payload = got
+    try:
+        codec, checksum = check_header(header, key, shape, dtype, int(payload.numel()))
+    except CorruptBlockError as exc:
+        return exc
+    if direct is not None and codec.codec_id == RawCodec.codec_id:
+        dst = direct[block]
+        if copy_checksum(key, payload, dst.view(-1).view(torch.uint8)) != checksum:
+            dst.zero_()
+            return CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
+        c.loaded_blocks += 1
+        c.loaded_bytes += int(payload.numel())
+        return None
+    # Hashed first, then decoded from cache: nothing unverified is decoded.
+    if payload_checksum(key, as_buffer(payload)) != checksum:
+        return CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
+    writer.add(codec, block, payload)
+    writer.flush()
+    return None
+
+
+def _install_batched(
+    storage: KVBlockStorage, tier: Tier, batch: LoadBatch, stored: list[Stored | None]
+) -> Installed:
+    """:func:`install` into device blocks on a GPU (see the module docstring)."""
     c = tier.counters
     fmt = tier.fmt
     assert fmt is not None
@@ -92,7 +347,7 @@ def install(storage: KVBlockStorage, tier: Tier, batch: LoadBatch) -> Installed:
     stop: Installed | None = None
     expected: list[tuple[Codec, int]] = []
     payloads: list[torch.Tensor] = []
-    for key, got in zip(keys, batch.stored, strict=True):
+    for key, got in zip(keys, stored, strict=True):
         if got is None:
             stop = Installed(0, key)
             break
@@ -212,5 +467,12 @@ class Reader:
         self.medium = medium
         self.items = items
 
-    def __call__(self) -> list[Stored | None]:
-        return self.medium.get(self.items)
+    def __call__(self) -> Fetched:
+        medium = self.medium
+        if getattr(medium, "defer_reads", False):
+            # Read at install, straight into the device blocks; until then the
+            # kernel fetches the files (a no-op for those in the page cache).
+            reads = cast(ReadsInto, medium)
+            reads.prefetch(self.items)
+            return DeferredRead(reads, self.items)
+        return medium.get(self.items)
