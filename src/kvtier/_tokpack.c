@@ -35,6 +35,46 @@ token_value(PyObject *v, uint32_t *out)
     return 0;
 }
 
+/* How far ahead fill() prefetches: each id is a separate int object, and
+ * reading them one by one waits on memory for every one. */
+#define PREFETCH_AHEAD 16
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+
+/* A small non-negative exact int's value, read in place (no call). */
+static inline int
+small_token(PyObject *v, uint32_t *out)
+{
+    if (!PyLong_CheckExact(v)) {
+        return 0;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        return 0;
+    }
+    Py_ssize_t x = PyUnstable_Long_CompactValue((PyLongObject *)v);
+    if (x < 0 || x > 0xFFFFFFFF) {
+        return 0;
+    }
+    *out = (uint32_t)x;
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(v);
+    if (size == 0) {
+        *out = 0;
+        return 1;
+    }
+    if (size == 1) {
+        *out = (uint32_t)((PyLongObject *)v)->ob_digit[0];
+        return 1;
+    }
+    return 0;
+#endif
+}
+
 /* Writes items[0:n] to dst. Returns 1 when done, -1 on an error (set), and,
  * with ints_only, 0 at the first item that is not an int (whose __index__
  * could run Python code that changes the sequence under the loop). */
@@ -43,6 +83,17 @@ fill(unsigned char *dst, PyObject **items, Py_ssize_t n, int ints_only)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t x;
+        if (i + PREFETCH_AHEAD < n) {
+            PREFETCH(items[i + PREFETCH_AHEAD]);
+        }
+        if (small_token(items[i], &x)) {
+            dst[0] = (unsigned char)x;
+            dst[1] = (unsigned char)(x >> 8);
+            dst[2] = (unsigned char)(x >> 16);
+            dst[3] = (unsigned char)(x >> 24);
+            dst += 4;
+            continue;
+        }
         if (ints_only && !PyLong_Check(items[i])) {
             return 0;
         }

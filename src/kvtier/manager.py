@@ -22,7 +22,7 @@ import time
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -64,6 +64,8 @@ class PressureGate(Protocol):
 
 RequestId = Hashable
 _MAX_TOKEN_ID = 2**32
+#: Read once: a module attribute lookup per call is measurable on the hot path.
+_BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +177,17 @@ class _Request:
         table: BlockTable,
         extra: tuple[ExtraKey, ...],
         items: tuple[ItemKey, ...] = (),
+        keys: list[int] | None = None,
+        tail: array[int] | None = None,
     ) -> None:
         self.table = table
         self.extra = extra
         #: Multimodal items (first placeholder position, content key), by position.
         self.items = items
         #: Keys of the leading full blocks published (or held as shadows).
-        self.keys: list[int] = []
+        self.keys: list[int] = [] if keys is None else keys
         #: Tokens after the last keyed block: what the next block key hashes.
-        self.tail: array[int] = array("I")
+        self.tail: array[int] = array("I") if tail is None else tail
         #: False once admission declined a block: later blocks stay private.
         self.chain_open = True
         #: position -> cached block held in place of this request's duplicate.
@@ -222,7 +226,7 @@ def _token_array(
     try:
         if isinstance(given, (list, tuple)):
             arr = array("I", pack_u32(token_ids, start, len(token_ids)))
-            if sys.byteorder == "big":  # pragma: no cover - big-endian hosts only
+            if _BIG_ENDIAN:  # pragma: no cover - big-endian hosts only
                 arr.byteswap()
             return arr
         return array("I", token_ids[start:] if start else token_ids)
@@ -563,16 +567,14 @@ class KVCacheManager:
         new_blocks = pool.allocate(needed)
         hits.extend(new_blocks)
         table = BlockTable(bs, hits, n)
-        req = _Request(table, extra, items)
-        req.keys = keys
+        # The tail is the request's from the start: a declined block empties it.
+        req = _Request(table, extra, items, keys, tail)
         self._requests[request_id] = req
         if n_full > n_hit:
             tokens = None
             if pool.journal is not None:
                 tokens = token_ids[n_hit * bs : n_full * bs]
             self._publish(req, keys, n_hit, n_full, tokens)
-        if req.chain_open:
-            req.tail = tail
         self._allocations += 1
         self._queried_tokens += n
         self._hit_tokens += n_hit * bs
@@ -738,8 +740,8 @@ class KVCacheManager:
         """End a request; its published blocks stay cached until evicted."""
         req = self._get(request_id)
         del self._requests[request_id]
-        # Tail first, as held_blocks() lists them, without building that list.
-        self.pool.release(req.held_blocks() if req.shadow else reversed(req.table.blocks))
+        # Tail first, as held_blocks() lists them.
+        self.pool.release(req.held_blocks() if req.shadow else req.table.blocks[::-1])
         self._after_growth()
 
     def free_and_drop(self, request_id: RequestId) -> int:

@@ -42,7 +42,7 @@ from mypy_extensions import mypyc_attr
 
 from kvtier.errors import ConfigError, InternalInvariantError, OutOfBlocksError
 from kvtier.policy.base import EvictionPolicy, PolicyBase, admit_chain
-from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.lru import BlockOrder, LRUPolicy
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ class BlockPool:
         self.listener_errors = 0
         #: Blocks that became cached or left, in order (``None``: not recorded).
         self.journal: list[JournalEntry] | None = None
+        #: The LRU order by block id, when the policy is a plain LRUPolicy: the
+        #: pool then drives it directly, never through the policy's key methods.
+        self._lru: BlockOrder | None = None
+        if type(self.policy) is LRUPolicy:
+            self._lru = self.policy.attach_blocks(num_blocks, self.block_key, self._cached)
 
     # -- ports -------------------------------------------------------------
     def add_evict_listener(self, listener: EvictListener) -> None:
@@ -133,11 +138,17 @@ class BlockPool:
     @property
     def num_evictable(self) -> int:
         """Cached blocks no request holds: reusable on a hit, reclaimable on demand."""
+        lru = self._lru
+        if lru is not None:
+            return lru.num_evictable
         return self.policy.num_evictable
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can obtain right now (empty + evictable)."""
+        lru = self._lru
+        if lru is not None:
+            return len(self._free) + lru.num_evictable
         return len(self._free) + self.policy.num_evictable
 
     @property
@@ -206,10 +217,11 @@ class BlockPool:
     def lookup(self, keys: Sequence[int], limit: int = -1) -> list[int]:
         """Block ids of the longest prefix of ``keys`` cached on this device, as one chain.
 
-        Each block after the first must be cached as the child of the one
-        before: keys that come from outside (a trace's hash ids, an
-        engine's own hashes) may name a block cached under another parent,
-        and a hit there would hold a block whose ancestors nobody holds.
+        The first block must be cached as a chain's first block and each
+        block after it as the child of the one before: keys that come from
+        outside (a trace's hash ids, an engine's own hashes) may name a block
+        cached under another parent, and a hit there would hold a block
+        whose ancestors nobody holds.
         ``limit`` (when not negative) caps how many leading keys are looked at.
         """
         ks: list[int] = keys if isinstance(keys, list) else list(keys)
@@ -220,7 +232,8 @@ class BlockPool:
         prev = -1
         for i in range(n):
             b = cached.get(ks[i], -1)
-            if b < 0 or (prev >= 0 and parent[b] != prev):
+            # The first block must start a chain too (its parent is -1).
+            if b < 0 or parent[b] != prev:
                 break
             out.append(b)
             prev = b
@@ -239,16 +252,23 @@ class BlockPool:
         """
         ref = self.ref
         keys = self.block_key
+        lru = self._lru
+        # A list is walked by index when compiled; other iterables are copied once.
+        blocks: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
         pinned: list[int] = []
-        for b in block_ids:
+        for b in blocks:
             count = ref[b]
             if count == 0:
                 key = keys[b]
                 if key is None:
                     raise InternalInvariantError(f"acquire of empty block {b}")
-                pinned.append(key)
+                pinned.append(b if lru is not None else key)
             ref[b] = count + 1
-        if pinned:
+        if lru is not None:
+            # A hit on a block just pinned does not move it in an LRU order.
+            if pinned:
+                lru.pin(pinned)
+        elif pinned:
             self.policy.pin_many(pinned)
             if hit:
                 self.policy.access_many(pinned)
@@ -262,8 +282,10 @@ class BlockPool:
         ref = self.ref
         keys = self.block_key
         free = self._free
+        lru = self._lru
+        blocks: list[int] = block_ids if isinstance(block_ids, list) else list(block_ids)
         unpinned: list[int] = []
-        for b in block_ids:
+        for b in blocks:
             count = ref[b] - 1
             if count < 0:
                 raise InternalInvariantError(f"release of unreferenced block {b}")
@@ -272,10 +294,15 @@ class BlockPool:
                 key = keys[b]
                 if key is None:
                     free.append(b)
+                elif lru is not None:
+                    unpinned.append(b)
                 else:
                     unpinned.append(key)
         if unpinned:
-            self.policy.unpin_many(unpinned)
+            if lru is not None:
+                lru.unpin(unpinned)
+            else:
+                self.policy.unpin_many(unpinned)
 
     # -- allocation ----------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -284,7 +311,7 @@ class BlockPool:
             return []
         free = self._free
         if n > len(free):
-            available = len(free) + self.policy.num_evictable
+            available = self.num_free
             if n > available:
                 raise OutOfBlocksError(n, available, self.num_blocks)
             self._reclaim(n)
@@ -301,12 +328,65 @@ class BlockPool:
     def _reclaim(self, target: int, announce: bool = True) -> None:
         """Evict until the free list holds at least ``target`` blocks."""
         free = self._free
+        lru = self._lru
+        if lru is not None:
+            while len(free) < target:
+                blocks = lru.evict(target - len(free))
+                if not blocks:
+                    raise InternalInvariantError(
+                        "the LRU order found no victim although blocks are evictable"
+                    )
+                self._drop_victim_blocks(blocks, announce)
+            return
         policy = self.policy
         while len(free) < target:
             victims = policy.evict_many(target - len(free))
             if not victims:
                 raise InternalInvariantError("policy found no victim although blocks are evictable")
             self._drop_victims(victims, announce)
+
+    def _drop_victim_blocks(self, victims: list[int], announce: bool = True) -> None:
+        """:meth:`_drop_victims` for victims the LRU order named by block id."""
+        block_key = self.block_key
+        keys: list[int] = []
+        for b in victims:
+            key = block_key[b]
+            if key is None:
+                raise InternalInvariantError(f"the LRU order evicted block {b}, which holds no key")
+            keys.append(key)
+        if announce and self._listeners:
+            self._announce(keys)
+        cached = self._cached
+        parent = self.parent
+        first_child = self.first_child
+        more = self._more_children
+        free = self._free
+        dropped = keys
+        for i, b in enumerate(victims):
+            if block_key[b] is None:
+                # An earlier victim's cascade took it (and recorded it).
+                if dropped is keys:
+                    dropped = keys[:i]
+                continue
+            if first_child[b] >= 0:
+                self._evict_subtree(b)
+            if dropped is not keys:
+                dropped.append(keys[i])
+            del cached[keys[i]]
+            block_key[b] = None
+            p = parent[b]
+            if p >= 0:
+                # The common case inline: b is its parent's only child.
+                if first_child[p] == b and (not more or p not in more):
+                    parent[b] = -1
+                    first_child[p] = -1
+                else:
+                    self._unlink(b)
+            free.append(b)
+        self.evictions += len(dropped)
+        journal = self.journal
+        if journal is not None and dropped:
+            journal.append((REMOVED, dropped, -1, []))
 
     def _drop_victims(self, victims: list[int], announce: bool = True) -> None:
         """Free the victims' blocks, and their cached subtrees (children first)."""
@@ -338,7 +418,7 @@ class BlockPool:
             p = parent[b]
             if p >= 0:
                 # The common case inline: b is its parent's only child.
-                if first_child[p] == b and p not in more:
+                if first_child[p] == b and (not more or p not in more):
                     parent[b] = -1
                     first_child[p] = -1
                 else:
@@ -394,11 +474,15 @@ class BlockPool:
         if any(ref[b] for b in order):
             raise InternalInvariantError("a cascade would evict a block that a request holds")
         remove = self.policy.remove
+        lru = self._lru
         gone: list[int] = []
         for b in reversed(order):
             key = self.block_key[b]
             assert key is not None
-            remove(key)
+            if lru is not None:
+                lru.remove(b)
+            else:
+                remove(key)
             del self._cached[key]
             gone.append(key)
             self.block_key[b] = None
@@ -415,7 +499,7 @@ class BlockPool:
         not demoted.
         """
         before = len(self._free)
-        n = min(n, self.policy.num_evictable)
+        n = min(n, self.num_evictable)
         if n > 0:
             self._reclaim(before + n, announce)
         return len(self._free) - before
@@ -453,6 +537,7 @@ class BlockPool:
                 )
             stack.extend(self.children_of(c))
         remove = self.policy.remove
+        lru = self._lru
         cached = self._cached
         gone: list[int] = []
         for b in reversed(targets):
@@ -460,7 +545,10 @@ class BlockPool:
                 self._evict_subtree(b)
             key = block_key[b]
             assert key is not None
-            remove(key)
+            if lru is not None:
+                lru.remove(b)
+            else:
+                remove(key)
             del cached[key]
             gone.append(key)
             block_key[b] = None
@@ -525,15 +613,23 @@ class BlockPool:
         # published keys the run's keys.
         results: list[int] | None = None
         published: list[int] = []
+        published_blocks: list[int] = []
         n_published = 0
         for i in range(start, upto):
             block = blocks[i]
             key = keys[i]
-            existing = cached.get(key)
-            if existing is not None:
+            # One dict operation for the common case, a new key: map it now.
+            existing = cached.setdefault(key, block)
+            if existing != block or block_key[block] is not None:
+                if existing == block and block_key[block] != key:
+                    del cached[key]  # mapped just now, to a block cached under another key
+                    raise InternalInvariantError(
+                        f"commit of block {block}, which is already cached"
+                    )
                 if results is None:
                     results = blocks[start:i]
                     published = keys[start:i]
+                    published_blocks = blocks[start:i]
                 if parents[existing] != pb:
                     # The key is cached under another parent (keys that are not
                     # chained): holding that copy would hold a block whose
@@ -544,16 +640,15 @@ class BlockPool:
                 results.append(existing)
                 pb = existing
                 continue
-            if block_key[block] is not None:
-                raise InternalInvariantError(f"commit of block {block}, which is already cached")
             if n_published == admitted:
+                del cached[key]
                 if results is None:
                     results = blocks[start:i]
                     published = keys[start:i]
+                    published_blocks = blocks[start:i]
                 self.declined += 1
                 results.append(-1)
                 break
-            cached[key] = block
             block_key[block] = key
             if pb >= 0:
                 parents[block] = pb
@@ -565,9 +660,17 @@ class BlockPool:
             if results is not None:
                 results.append(block)
                 published.append(key)
+                published_blocks.append(block)
             pb = block
         if n_published:
-            self.policy.insert_many(keys[start:upto] if results is None else published, True)
+            lru = self._lru
+            if lru is not None:
+                if results is None:
+                    lru.insert_pinned(blocks, start, upto)
+                else:
+                    lru.insert_pinned(published_blocks, 0, len(published_blocks))
+            else:
+                self.policy.insert_many(keys[start:upto] if results is None else published, True)
         return results
 
     def _admitted_new(self, keys: Sequence[int]) -> int:
