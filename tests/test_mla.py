@@ -1,7 +1,9 @@
-"""Multi-head latent attention (DeepSeek V3) served from its compressed latent, with HF's tokens.
+"""Multi-head latent attention served from its compressed latent, with HF's tokens.
 
-A tiny random-weight DeepSeek V3 (MLA with a query LoRA, mixture-of-experts
-layers after the first) generates through kvtier's batched engine. kvtier's
+Tiny random-weight DeepSeek V3, DeepSeek V2, GLM-4 MoE Lite and LongCat-Flash
+models (MLA with a query LoRA, mixture-of-experts layers after the first;
+LongCat-Flash has two attention sublayers per layer and zero-computation
+experts) generate through kvtier's batched engine. kvtier's
 blocks hold what the model's own cache holds: per token, the compressed
 latent (``kv_lora_rank`` values) as one head of K and the shared rotary key
 as V; the model decompresses them per head as it attends. Single requests,
@@ -51,22 +53,46 @@ MLA = {
 }
 
 
-def _config(tok: Any) -> Any:
-    return transformers.DeepseekV3Config(
+_MOE = {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "n_shared_experts": 1}
+_DEEPSEEK_LIKE = {
+    **_MOE,
+    "num_hidden_layers": 3,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+}
+#: family -> (config class, model class, the family's own config fields). Every
+#: family has 3 attention layers but LongCat-Flash: 2 layers of 2 attention sublayers.
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_LIKE),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _DEEPSEEK_LIKE),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", _DEEPSEEK_LIKE),
+    "longcat_flash": (
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        {
+            "num_layers": 2,
+            "head_dim": MLA["qk_rope_head_dim"],  # LongCat's rotary width
+            "n_routed_experts": 4,
+            "moe_topk": 2,
+            "zero_expert_num": 2,
+            "ffn_hidden_size": 128,
+            "expert_ffn_hidden_size": 32,
+        },
+    ),
+}
+
+
+def _config(family: str, tok: Any) -> Any:
+    config_class, _, fields = FAMILIES[family]
+    return getattr(transformers, config_class)(
         vocab_size=len(tok),
         hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=512,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
+        **fields,
         **MLA,
     )
 
@@ -74,31 +100,34 @@ def _config(tok: Any) -> Any:
 class DeepSeek(TinyFamily):
     """The tiny model for engines, an untouched copy for references, and their cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str) -> None:
         tok = tiny_tokenizer()
+        config = _config(family, tok)
+        assert config.model_type == family
         super().__init__(
-            transformers.DeepseekV3ForCausalLM,
-            _config(tok),
+            getattr(transformers, FAMILIES[family][1]),
+            config,
             tok,
-            "tiny-deepseek",
+            f"tiny-{family}",
             BS,
             num_blocks=64,
         )
+        self.layers = config.num_hidden_layers
 
 
-@pytest.fixture(scope="module")
-def ds() -> DeepSeek:
-    return DeepSeek()
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ds(request: pytest.FixtureRequest) -> DeepSeek:
+    return DeepSeek(request.param)
 
 
 def test_a_block_holds_the_latent_not_the_decompressed_heads(ds: DeepSeek) -> None:
     layout = layout_for_model(ds.model.config, BS, torch.float32)
-    assert (layout.num_kv_heads, layout.head_dim) == (1, 16)  # kv_lora_rank wide, one head
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (ds.layers, 1, 16)
     # config.json (probed before the weights load) gives the same geometry.
     fields = ds.model.config.to_dict()
-    assert geometry(fields.get) == (3, 4, 1, 16)
+    assert geometry(fields.get) == (ds.layers, 4, 1, 16)
     # Decompressed (4 heads of 24-wide K, V padded to it) a block would be 6x larger.
-    decompressed = KVLayout(3, 4, 24, BS, "float32")
+    decompressed = KVLayout(ds.layers, 4, 24, BS, "float32")
     assert decompressed.bytes_per_block == 6 * layout.bytes_per_block
 
 

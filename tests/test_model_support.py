@@ -81,7 +81,7 @@ UNSUPPORTED = [
     ("Llama4Config", {}, "chunked local attention in an image-text form"),
     ("Qwen3_5MoeConfig", {}, "linear attention"),
     (
-        "DeepseekV2Config",
+        "DeepseekV32Config",
         {
             "kv_lora_rank": 16,
             "q_lora_rank": 32,
@@ -89,8 +89,9 @@ UNSUPPORTED = [
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
         },
-        "multi-head latent attention",
+        "sparse attention",
     ),
+    ("MiniCPM3Config", {"kv_lora_rank": 16, "q_lora_rank": 32}, "multi-head latent attention"),
     ("Gemma2Config", {"head_dim": 16}, "soft-capping"),
     ("GPT2Config", {}, "has not been checked"),
 ]
@@ -158,7 +159,7 @@ def test_serve_refuses_with_one_line(
 
 @pytest.mark.parametrize(
     "cls_name",
-    ["Gemma3TextConfig", "DeepseekV2Config", "Gemma2Config"],
+    ["Gemma3TextConfig", "DeepseekV32Config", "Gemma2Config"],
 )
 def test_an_engine_refuses_a_loaded_model(cls_name: str) -> None:
     """A model already in memory (no files to probe) is refused when the engine is built."""
@@ -262,6 +263,45 @@ SUPPORTED = [
             "topk_group": 1,
             "first_k_dense_replace": 1,
             "num_key_value_heads": 4,  # MLA decompresses one K/V per attention head
+        },
+    ),
+    *(
+        (
+            name,
+            {
+                "kv_lora_rank": 16,
+                "q_lora_rank": 32,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 16,
+                "v_head_dim": 16,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "num_key_value_heads": 4,
+            },
+        )
+        for name in ("DeepseekV2Config", "Glm4MoeLiteConfig")
+    ),
+    (
+        # Two attention sublayers in each of its 2 decoder layers; zero-computation experts.
+        "LongcatFlashConfig",
+        {
+            "num_layers": 2,
+            "head_dim": 8,  # its rotary width: qk_rope_head_dim
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "moe_topk": 2,
+            "zero_expert_num": 2,
+            "ffn_hidden_size": 128,
+            "expert_ffn_hidden_size": 32,
+            "num_key_value_heads": 4,
         },
     ),
     # Short convolutions around attention; 4 taps with biases, slots widened to hidden_size.

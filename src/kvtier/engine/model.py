@@ -104,6 +104,11 @@ def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
         return value
 
     layers = num("num_hidden_layers")
+    if layers is None and get("model_type") == "longcat_flash":
+        # LongCat-Flash's config.json counts its decoder layers, each holding two
+        # attention sublayers (two caches); transformers derives num_hidden_layers.
+        decoder_layers = num("num_layers")
+        layers = None if decoder_layers is None else 2 * decoder_layers
     heads = num("num_attention_heads")
     hidden = num("hidden_size")
     if layers is None or heads is None:

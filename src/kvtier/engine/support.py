@@ -45,7 +45,10 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "qwen2",
         "qwen3",
         "gemma3_text",
+        "deepseek_v2",
         "deepseek_v3",
+        "glm4_moe_lite",
+        "longcat_flash",
         "lfm2",
         "lfm2_moe",
         "llama4_text",
@@ -59,7 +62,9 @@ CHUNKED_MODEL_TYPES = frozenset({"llama4_text"})
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
 #: K and V decompressed per head (see :func:`kvtier.engine.model.geometry`).
-MLA_MODEL_TYPES = frozenset({"deepseek_v3", "kimi_linear"})
+MLA_MODEL_TYPES = frozenset(
+    {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "longcat_flash"}
+)
 
 #: Of those, the families whose sliding-window layers have been checked
 #: against the model's own answers (the others must be full attention).
@@ -106,11 +111,19 @@ _KNOWN_UNSUPPORTED = {
         "zamba2",
         "plamo2",
     ),
-    "multi-head latent attention (MLA)": (
-        "deepseek_v2",
+    "multi-head latent attention (MLA) in a family not checked for it": (
         "kimi_k2",
-        "longcat_flash",
-        "glm4_moe_lite",
+        "minicpm3",
+        "mistral4",
+        "sarvam_mla",
+        "youtu",
+    ),
+    "sparse attention (a learned indexer picks the keys each query attends to)": (
+        "deepseek_v32",
+        "deepseek_v4",
+        "glm_moe_dsa",
+        "glm5_next",
+        "mistral_large4",
     ),
 }
 _FAMILY_OF = {t: kind for kind, types in _KNOWN_UNSUPPORTED.items() for t in types}
