@@ -22,6 +22,13 @@ points. ``--halves`` also replays each trace's first and second halves (by
 request order, which is time order in the Mooncake files) as traces of their
 own. Hit ratios are deterministic, so one run per cell.
 
+``--policies lrb`` adds the LRB-style policy (:mod:`kvtier.policy.lrb`,
+needs LightGBM); in ``--gap`` mode each of its cells also records what its
+model did: models trained, the online AUC (scores given before the labels
+were known), the last model's hold-out AUC, how often a round's first victim
+was also the oldest sampled candidate (what a sampled LRU would evict), and
+the last model's share of gain per feature; ``--lrb-stats`` prints them.
+
 ``python bench/learned_reuse.py --help`` lists the options; results go to
 ``bench/results/learned_reuse.json`` (speed) or
 ``bench/results/learned_reuse_gap.json`` (gap).
@@ -49,6 +56,7 @@ from _common import (
     write_json,
 )
 
+from kvtier.policy import available_policies
 from kvtier.replay import load_sample_trace, load_trace, parse_capacity, simulate_prefix
 from kvtier.replay.simulator import simulate_min
 from kvtier.replay.traces import Trace
@@ -108,6 +116,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="policies, the first one is the reference (default lru learned-reuse)",
     )
     p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (default 5)")
+    p.add_argument(
+        "--lrb-stats",
+        action="store_true",
+        help="--gap: print the lrb policy's model statistics per cell (always in the JSON)",
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json-out", type=Path, default=None, help="where to write JSON")
     args = p.parse_args(argv)
@@ -147,6 +160,49 @@ def load_gap_traces(specs: Sequence[str], limit: int | None, halves: bool) -> li
     return out
 
 
+#: The name the gap mode replays the lrb policy under, to see the instance it built.
+LRB_WATCHED = "lrb (watched)"
+_watched: list[Any] = []
+
+
+def _watch_lrb() -> None:
+    """Register ``LRB_WATCHED``: the lrb policy with its defaults, instances kept."""
+    from kvtier.policy.lrb import LRBPolicy
+    from kvtier.policy.registry import register_policy
+
+    def make(**kwargs: Any) -> Any:
+        policy = LRBPolicy(**kwargs)
+        _watched.append(policy)
+        return policy
+
+    register_policy(LRB_WATCHED, make)
+
+
+def lrb_stats(policy: Any) -> dict[str, Any]:
+    """What the lrb policy's models did in one replay."""
+    gains = policy.feature_importance()
+    total = sum(gains.values()) or 1.0
+    return {
+        "trainings": policy.trainings,
+        "online_auc": policy.online_auc(),
+        "holdout_auc": policy.holdout_auc,
+        "trusted": policy.trusted,
+        "rounds": policy.rounds_done,
+        "first_victim_is_oldest": policy.rounds_like_lru / max(policy.rounds_done, 1),
+        "horizon_s": policy.horizon,
+        "gain_share": {k: v / total for k, v in gains.items()},
+    }
+
+
+def _policy(name: str) -> str:
+    """What to hand the replay for a policy named on the command line."""
+    if name == "lrb":
+        from kvtier.policy.lrb import IMPORT_PATH
+
+        return IMPORT_PATH
+    return name
+
+
 def closed(hit: float, lru: float, best: float) -> float | None:
     """Share of the LRU->MIN gap a hit ratio closes (None where there is no gap)."""
     return (hit - lru) / (best - lru) if best > lru else None
@@ -181,7 +237,10 @@ def gap_main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 f"{100 * lru:.2f}%",
             ]
             for policy in policies:
-                r = simulate_prefix(trace, policy, blocks)
+                watched = policy == "lrb"
+                if watched and LRB_WATCHED not in available_policies():
+                    _watch_lrb()
+                r = simulate_prefix(trace, LRB_WATCHED if watched else _policy(policy), blocks)
                 share = closed(r.prefix_hit_ratio, lru, best)
                 cell["policies"][policy] = {
                     "prefix_hit_ratio": r.prefix_hit_ratio,
@@ -189,6 +248,19 @@ def gap_main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     "gap_closed": share,
                     "ops_per_s": r.ops_per_s,
                 }
+                if watched:
+                    st = lrb_stats(_watched.pop())
+                    cell["policies"][policy]["lrb"] = st
+                    if args.lrb_stats:
+                        auc = st["online_auc"]
+                        top = sorted(st["gain_share"].items(), key=lambda kv: -kv[1])[:4]
+                        log(
+                            f"    lrb at {text}: {st['trainings']} models, online AUC "
+                            f"{'-' if auc is None else f'{auc:.3f}'}, first victim = oldest "
+                            f"candidate in {100 * st['first_victim_is_oldest']:.0f}% of rounds, "
+                            f"{r.ops_per_s / 1e3:,.1f}k accesses/s; top gain: "
+                            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in top)
+                        )
                 row.append(f"{100 * r.prefix_hit_ratio:.2f}%")
                 row.append("-" if share is None else f"{100 * share:.1f}%")
             cells.append(cell)
@@ -250,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = args.policies if rep % 2 == 0 else list(reversed(args.policies))
             for policy in order:
                 gc.collect()
-                r = simulate_prefix(trace, policy, blocks)
+                r = simulate_prefix(trace, _policy(policy), blocks)
                 cell = cells.setdefault(
                     (text, policy),
                     {
