@@ -64,6 +64,18 @@ def _config(cls_name: str, **fields: Any) -> Any:
     return cls(vocab_size=len(tiny_tokenizer()), **{**_SMALL, **fields})
 
 
+#: Multi-head latent attention with a query LoRA, and a few routed experts.
+_MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_key_value_heads": 4,  # MLA decompresses one K/V per attention head
+}
+
+
 #: (config class, extra fields, words the refusal must contain)
 UNSUPPORTED = [
     (
@@ -248,60 +260,31 @@ SUPPORTED = [
             "sliding_window_pattern": 2,
         },
     ),
-    (
-        "DeepseekV3Config",
-        {
-            "kv_lora_rank": 16,
-            "q_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "moe_intermediate_size": 32,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
-            "num_key_value_heads": 4,  # MLA decompresses one K/V per attention head
-        },
-    ),
     *(
         (
             name,
             {
-                "kv_lora_rank": 16,
-                "q_lora_rank": 32,
-                "qk_rope_head_dim": 8,
-                "qk_nope_head_dim": 16,
-                "v_head_dim": 16,
+                **_MLA,
                 "moe_intermediate_size": 32,
-                "n_routed_experts": 4,
                 "num_experts_per_tok": 2,
                 "n_group": 1,
                 "topk_group": 1,
                 "first_k_dense_replace": 1,
-                "num_key_value_heads": 4,
             },
         )
-        for name in ("DeepseekV2Config", "Glm4MoeLiteConfig")
+        for name in ("DeepseekV3Config", "DeepseekV2Config", "Glm4MoeLiteConfig")
     ),
     (
         # Two attention sublayers in each of its 2 decoder layers; zero-computation experts.
         "LongcatFlashConfig",
         {
+            **_MLA,
             "num_layers": 2,
             "head_dim": 8,  # its rotary width: qk_rope_head_dim
-            "kv_lora_rank": 16,
-            "q_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
             "moe_topk": 2,
             "zero_expert_num": 2,
             "ffn_hidden_size": 128,
             "expert_ffn_hidden_size": 32,
-            "num_key_value_heads": 4,
         },
     ),
     # Short convolutions around attention; 4 taps with biases, slots widened to hidden_size.

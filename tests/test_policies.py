@@ -307,6 +307,58 @@ class PolicyMachine(RuleBasedStateMachine):
         assert copy.deepcopy(snap) == snap == self.p.snapshot(), "snapshot() has side effects"
 
 
+class RequestPolicyMachine(PolicyMachine):
+    """:class:`PolicyMachine` plus whole requests: chains of keys that grow and branch, each
+    told to the policy's ``on_request`` (with the hit it found) before its new keys go in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs: list[list[int]] = []
+        self.now = 0.0
+
+    @rule(
+        conv=st.integers(0, 4),
+        grow=st.integers(0, 3),
+        branch=st.booleans(),
+        dt=st.sampled_from([0.0, 0.3, 2.0, 40.0, 900.0]),
+        picks=st.lists(st.integers(1, 1000), min_size=3, max_size=3),
+    )
+    def request(self, conv: int, grow: int, branch: bool, dt: float, picks: list[int]) -> None:
+        self.now += dt
+        known = conv < len(self.convs)
+        chain = list(self.convs[conv]) if known else []
+        if branch and len(chain) > 1:
+            chain = chain[: len(chain) // 2]
+        for _ in range(grow):
+            self.n += 1
+            chain.append(_key(self.n))
+        if not chain:
+            return
+        if known:
+            self.convs[conv] = chain
+        else:
+            self.convs.append(chain)
+        hit = 0
+        while hit < len(chain) and chain[hit] in self.size:
+            hit += 1
+        self.p.on_request(chain, hit, self.now, None)  # type: ignore[attr-defined]
+        hits = chain[:hit]
+        first = [k for k in hits if k in self.evictable]
+        self.p.pin_many(first)
+        self.p.access_many(hits)
+        self.evictable.difference_update(first)
+        self.pinned.update(first)
+        for i, key in enumerate(chain[hit:]):
+            if key in self.size:
+                continue
+            size = 1 + picks[i % len(picks)] % self.max_size
+            if not self._make_room(size):
+                break  # a chain cached past a missing block is useless
+            self.p.insert(key, True, size)
+            self.pinned.add(key)
+            self.size[key] = size
+
+
 _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 for _name, _admission in VARIANTS:

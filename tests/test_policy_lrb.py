@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
-from test_policies import PolicyMachine, _key
+from hypothesis.stateful import invariant
+from test_policies import RequestPolicyMachine
 
 pytest.importorskip("lightgbm")
 
@@ -44,7 +43,7 @@ def _small(**kw: Any) -> LRBPolicy:
     return LRBPolicy(**args)
 
 
-class LRBContractMachine(PolicyMachine):
+class LRBContractMachine(RequestPolicyMachine):
     """The protocol's bookkeeping contract, with requests and a model being trained."""
 
     policy_name = IMPORT_PATH
@@ -53,50 +52,6 @@ class LRBContractMachine(PolicyMachine):
         super().__init__()
         self.lrb = _small()
         self.p = self.lrb
-        self.convs: list[list[int]] = []
-        self.now = 0.0
-
-    @rule(
-        conv=st.integers(0, 4),
-        grow=st.integers(0, 3),
-        branch=st.booleans(),
-        dt=st.sampled_from([0.0, 0.3, 2.0, 40.0, 900.0]),
-        picks=st.lists(st.integers(1, 1000), min_size=3, max_size=3),
-    )
-    def request(self, conv: int, grow: int, branch: bool, dt: float, picks: list[int]) -> None:
-        self.now += dt
-        known = conv < len(self.convs)
-        chain = list(self.convs[conv]) if known else []
-        if branch and len(chain) > 1:
-            chain = chain[: len(chain) // 2]
-        for _ in range(grow):
-            self.n += 1
-            chain.append(_key(self.n))
-        if not chain:
-            return
-        if known:
-            self.convs[conv] = chain
-        else:
-            self.convs.append(chain)
-        hit = 0
-        while hit < len(chain) and chain[hit] in self.size:
-            hit += 1
-        self.lrb.on_request(chain, hit, self.now, None)
-        hits = chain[:hit]
-        first = [k for k in hits if k in self.evictable]
-        self.p.pin_many(first)
-        self.p.access_many(hits)
-        self.evictable.difference_update(first)
-        self.pinned.update(first)
-        for i, key in enumerate(chain[hit:]):
-            if key in self.size:
-                continue
-            size = 1 + picks[i % len(picks)] % self.max_size
-            if not self._make_room(size):
-                break
-            self.p.insert(key, True, size)
-            self.pinned.add(key)
-            self.size[key] = size
 
     @invariant()
     def bookkeeping_is_bounded(self) -> None:
