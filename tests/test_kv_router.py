@@ -13,6 +13,7 @@ front of two instances one of which is killed mid-run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -180,6 +181,9 @@ _ops = st.lists(
 )
 
 
+_ADDRESSES = itertools.count()
+
+
 @settings(
     max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -187,7 +191,9 @@ _ops = st.lists(
 def test_the_index_agrees_with_a_real_device_cache(ops: list[tuple[str, int, int]]) -> None:
     m = KVCacheManager(24, BS)  # small: allocations evict
     m.record_events()
-    publisher = KvEventPublisher(f"inproc://kv-router-{id(m)}", structs="local")
+    # A fresh address per example: an id() can come back while the last example's
+    # socket is still bound.
+    publisher = KvEventPublisher(f"inproc://kv-router-{next(_ADDRESSES)}", structs="local")
     index = PrefixIndex(["one"])
     convs: dict[int, list[int]] = {}
     live: set[str] = set()
