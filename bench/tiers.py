@@ -103,6 +103,8 @@ BLOCK_SIZE = 16
 QUESTION_TOKENS = 64
 CODECS = ("raw", "int8", "fp8")
 TARGET_RATIO = 0.80
+#: Disk tiers read with ``direct_reads`` (``--disk-direct-reads``).
+DIRECT_READS = False
 
 
 # -- redis-server ---------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class KvTierPath:
             store: Any = HostStore()
         elif kind == "disk":
             self.dir = Path(tempfile.mkdtemp(prefix=f"kvtier-{codec}-", dir=root))
-            store = DiskStore(self.dir)
+            store = DiskStore(self.dir, direct_reads=DIRECT_READS)
         else:
             from kvtier.offload.redis_store import RedisStore
 
@@ -653,10 +655,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-throughput", action="store_true", help="only the TTFT part")
     ap.add_argument("--skip-ttft", action="store_true", help="only the throughput part")
     ap.add_argument("--skip-redis", action="store_true", help="leave the Redis tier out")
+    ap.add_argument(
+        "--disk-direct-reads",
+        action="store_true",
+        help="disk tier with direct_reads=true (files read straight into the device blocks "
+        "on the loading thread) instead of the default background reads",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--markdown", action="store_true", help="also print Markdown tables")
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "tiers.json")
     args = ap.parse_args(argv)
+    global DIRECT_READS
+    DIRECT_READS = args.disk_direct_reads
     if args.blocks < 1 or args.repeat < 1 or args.questions < 1:
         ap.error("--blocks, --repeat and --questions must be positive")
     if args.prefix_tokens < BLOCK_SIZE or args.prefix_tokens % BLOCK_SIZE:
@@ -784,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(
         {
             "machine": machine_info(),
+            "disk_direct_reads": DIRECT_READS,
             "git": git_state(REPO),
             "versions": {
                 p: package_version(p) for p in ("torch", "transformers", "redis", "kvtier")

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from tiny_model import tiny_model_and_tokenizer
 
 from kvtier import KVCacheManager
 from kvtier.engine import Engine, SamplingParams
+from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.offload import codec, media, transfer
 from kvtier.offload.chain import TierChain
@@ -134,7 +135,7 @@ def disk_chain(
     gen = torch.Generator().manual_seed(seed)
     storage.tensor[:N].copy_(torch.randn(storage.tensor[:N].shape, generator=gen))
     storage.tensor[N:].zero_()
-    disk = DiskStore(root)
+    disk = DiskStore(root, direct_reads=True)
     tier = Tier(disk, 4 * N, codec=codec_name)
     chain = TierChain(storage, KVCacheManager(2 * N, LAYOUT.block_size), [tier])
     rng = random.Random(seed)
@@ -289,12 +290,13 @@ def test_a_stage_without_its_key_gets_its_header_when_written() -> None:
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
-def test_engine_recomputes_a_block_whose_file_was_damaged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["background-reads", "direct-reads"])
+def test_engine_recomputes_a_block_whose_file_was_damaged(tmp_path: Path, direct: bool) -> None:
     model, tok = tiny_model_and_tokenizer()
     prompt = torch.randint(3, 60, (33,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = Engine(model, tok, model_id="tiny", block_size=4, num_blocks=64)
     expected = [t for out in reference.generate(prompt, GREEDY) for t in out.token_ids]
-    disk = DiskStore(tmp_path)
+    disk = DiskStore(tmp_path, direct_reads=direct)
     eng = Engine(
         model,
         tok,
@@ -327,3 +329,13 @@ def test_engine_recomputes_a_block_whose_file_was_damaged(tmp_path: Path) -> Non
         assert chain.stats()["disk"]["corrupt_blocks"] == corrupt
         assert eng.counters.loaded_prompt_tokens - before == (corrupt - 1) * 4
     chain.close()
+
+
+def test_direct_reads_are_a_disk_url_option(tmp_path: Path) -> None:
+    from kvtier.offload.registry import make_medium
+
+    assert not cast(DiskStore, make_medium("disk", str(tmp_path), {})).defer_reads
+    on = make_medium("disk", str(tmp_path), {"direct_reads": "true"})
+    assert cast(DiskStore, on).defer_reads
+    with pytest.raises(ConfigError, match="direct_reads"):
+        make_medium("disk", str(tmp_path), {"direct_reads": "maybe"})

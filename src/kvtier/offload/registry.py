@@ -146,10 +146,14 @@ def _device(location: str, options: Mapping[str, str]) -> BlockStore:
 def _disk(location: str, options: Mapping[str, str]) -> BlockStore:
     from kvtier.offload.disk import DiskStore
 
-    _no_options("disk", options, ("fsync",))
+    _no_options("disk", options, ("fsync", "direct_reads"))
     if not location:
         raise ConfigError("the disk medium needs a directory, e.g. disk:/var/cache/kvtier")
-    return DiskStore(location, fsync=_flag("disk", "fsync", options.get("fsync", "false")))
+    return DiskStore(
+        location,
+        fsync=_flag("disk", "fsync", options.get("fsync", "false")),
+        direct_reads=_flag("disk", "direct_reads", options.get("direct_reads", "false")),
+    )
 
 
 def _disk_probe(location: str, options: Mapping[str, str], timeout_s: float) -> str | None:
