@@ -4,6 +4,8 @@ With ``KVTIER_PURE_PYTHON=1`` the tests import kvtier's ``.py`` sources even
 where mypyc-compiled modules are installed, so one environment tests both
 the compiled hot paths and the pure-Python fallback.
 
+Under pytest-xdist each worker runs torch on one thread (see below).
+
 With ``KVTIER_REQUIRE_ALL=1`` (``make test``, i.e. CI) every skip fails the
 run, except those :func:`needs.need_hardware` raises for hardware CI lacks:
 a dependency guard that skips (``needs.py``'s or a stray ``importorskip``)
@@ -19,6 +21,13 @@ import sys
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import ModuleType
+
+# Under pytest-xdist the workers share the cores: torch's OpenMP pool of one
+# thread per core in each worker makes them spin against each other (a
+# model-family file ran 7x slower on 2 workers than alone). One thread per
+# worker, and per server a worker starts, unless the caller chose.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 from needs import HARDWARE_SKIP, REQUIRE_ALL
