@@ -208,3 +208,14 @@ def test_no_block_stays_cached_below_an_evicted_parent() -> None:
                 held = [mgr.pool.cached_block(k) is not None for k in chain]
                 assert held == sorted(held, reverse=True), "a block is cached below a gap"
     mgr.check()
+
+
+def test_the_history_is_trimmed_when_only_inserts_arrive() -> None:
+    """Blocks no request named (a generated token's) are remembered on insert: with no
+    request between, their history must still stay within its limit."""
+    machine = LRBContractMachine()
+    machine.bind(sized=False, capacity=1, typical=1)
+    for n in (4, 3, 4, 1, 4, 4):
+        machine.insert_many(n=n, picks=[1, 1, 1, 1], pinned=False, reuse=0, unit_form=False)
+        machine.bookkeeping_is_bounded()
+    machine.teardown()

@@ -35,6 +35,7 @@ from tiny_model import (  # noqa: E402
     request_mixes,
     run_all,
     seeded_prompt,
+    tiny_gemma3_config,
     tiny_tokenizer,
 )
 
@@ -54,22 +55,7 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 
 
 def _gemma_config(tok: Any, layer_types: list[str] = LAYER_TYPES) -> Any:
-    return transformers.Gemma3TextConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        max_position_embeddings=512,
-        sliding_window=WINDOW,
-        layer_types=layer_types,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=0,
-    )
+    return tiny_gemma3_config(tok, layer_types, WINDOW)
 
 
 class Gemma(TinyFamily):

@@ -66,6 +66,28 @@ def tiny_llama_config(tok: Any, max_position_embeddings: int = 512) -> Any:
     )
 
 
+def tiny_gemma3_config(tok: Any, layer_types: list[str], window: int) -> Any:
+    """A Gemma 3 text config of ``layer_types`` (sliding windows of ``window``) over ``tok``."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+        sliding_window=window,
+        layer_types=layer_types,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )
+
+
 def tiny_model_and_tokenizer(seed: int = 0) -> tuple[Any, Any]:
     """A 2-layer random Llama (``vocab_size`` = the tokenizer's) and its tokenizer."""
     import torch

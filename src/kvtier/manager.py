@@ -62,6 +62,17 @@ class PressureGate(Protocol):
     def check_admission(self) -> None: ...
 
 
+class ResumeCheck(Protocol):
+    """What the manager asks of storage that may not keep every layer of a cached block.
+
+    ``resumable(block_ids)`` is how many of a cached prefix's leading blocks a
+    request can resume after (windowed storage: those whose last window
+    still holds its sliding layers' K/V).
+    """
+
+    def resumable(self, block_ids: list[int]) -> int: ...
+
+
 RequestId = Hashable
 _MAX_TOKEN_ID = 2**32
 #: Read once: a module attribute lookup per call is measurable on the hot path.
@@ -286,6 +297,7 @@ class KVCacheManager:
         self._pressure_cb: Callable[[PressureEvent], None] | None = None
         self._above_watermark = False
         self._gate: PressureGate | None = None
+        self._resume: ResumeCheck | None = None
         self._target_evictions = 0
         self._hit_tokens = 0
         self._queried_tokens = 0
@@ -363,6 +375,17 @@ class KVCacheManager:
         tier chain demotes them) first, else they are dropped.
         """
         self._gate = gate
+
+    def set_resume_check(self, check: ResumeCheck | None) -> None:
+        """Count a cached prefix as a hit only as far as ``check.resumable`` allows.
+
+        Windowed storage (:mod:`kvtier.storage.windowed`) drops the sliding
+        layers of blocks no query sees any more; a request may resume only
+        after a block whose last window is whole. :meth:`match`,
+        :meth:`rematch` and :meth:`allocate` then cut the device hit there
+        (and look nothing up in the tiers past a cut).
+        """
+        self._resume = check
 
     def _reach_target(self, gate: PressureGate) -> None:
         actions = gate.actions
@@ -454,9 +477,15 @@ class KVCacheManager:
     def _hits(self, match: PrefixMatch, tiers: TierIndex | None) -> PrefixMatch:
         limit = (match.num_tokens - 1) // self.block_size
         keys = match.keys
-        device = len(self.pool.lookup(keys[:limit]))
+        hits = self.pool.lookup(keys[:limit])
+        device = len(hits)
+        whole = True
+        resume = self._resume
+        if resume is not None and hits:
+            device = resume.resumable(hits)
+            whole = device == len(hits)
         plan: list[int] = []
-        if tiers is not None and device < limit:
+        if tiers is not None and device < limit and whole:
             plan = tiers.lookup(keys[device:limit])
         return PrefixMatch(
             match.num_tokens,
@@ -555,6 +584,9 @@ class KVCacheManager:
             gate.check_admission()
         pool = self.pool
         hits = pool.lookup(keys, (n - 1) // bs)
+        resume = self._resume
+        if resume is not None and hits:
+            del hits[resume.resumable(hits) :]
         n_hit = len(hits)
         needed = -(-n // bs) - n_hit
         self._ensure_capacity(needed, pool.count_evictable(hits) if hits else 0)

@@ -86,6 +86,13 @@ def float_in(
     return parse
 
 
+def window_ratio(text: str) -> float | None:
+    """``--window-kv-ratio``: a number in (0, 1], or ``off``."""
+    if text.strip().lower() == "off":
+        return None
+    return float_in("window slots per block ratio (or off)", 0.0, 1.0, open_low=True)(text)
+
+
 def policy_name(text: str) -> str:
     make_policy(text)  # raises ConfigError for an unknown name or import path
     return text

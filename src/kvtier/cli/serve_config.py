@@ -112,6 +112,7 @@ def engine_config(args: argparse.Namespace) -> Any:
             policy=args.policy,
             prefix_caching=not args.no_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            window_kv_ratio=args.window_kv_ratio,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

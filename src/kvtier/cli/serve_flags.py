@@ -19,6 +19,7 @@ from kvtier.cli.args import (
     port,
     positive_int,
     thresholds,
+    window_ratio,
 )
 from kvtier.cli.serve_auth import (
     add_auth_flags,
@@ -159,6 +160,17 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
         "float16, or quantized with per-head scales: int8, fp8_e4m3 (dequantized as "
         "attention reads them). Narrower blocks fit more of them in --kv-cache-memory: "
         "int8 holds about 4x the float32 blocks (default auto)",
+    )
+    serve.add_argument(
+        "--window-kv-ratio",
+        type=arg(window_ratio, "ratio"),
+        default=0.5,
+        metavar="R",
+        help="models with sliding-window layers (Gemma 3, Mistral): keep those layers' K/V "
+        "for R blocks per block of the pool, only where a window can still see it (never "
+        "fewer than the running requests' windows need), so the same --kv-cache-memory "
+        "holds more blocks; a cached prefix resumes only where its last window is kept. "
+        "off keeps every layer in every block (default 0.5)",
     )
     serve.add_argument(
         "--num-blocks",

@@ -40,9 +40,21 @@ class CacheConfig:
     #: How blocks are stored: ``auto`` (the model's dtype), ``float32``, ``bfloat16``,
     #: ``float16``, or quantized with per-head scales: ``int8``, ``fp8_e4m3``.
     kv_cache_dtype: str = "auto"
+    #: Models with sliding-window layers: slots for those layers' K/V per block of the
+    #: pool (``0 < ratio <= 1``; never fewer than running requests' windows need).
+    #: ``None`` keeps every layer in every block (:mod:`kvtier.engine.windows`).
+    window_kv_ratio: float | None = 0.5
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        r = self.window_kv_ratio
+        if r is not None and (
+            isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1
+        ):
+            raise ConfigError(
+                f"window_kv_ratio must be a number in (0, 1], or None to keep every layer "
+                f"in every block; got {r!r}"
+            )
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
@@ -167,10 +179,15 @@ def plan_cache(
     num_blocks: int | None,
     kv_cache_bytes: int,
     max_model_len: int | None,
+    block_bytes: int | None = None,
 ) -> CachePlan:
-    """Blocks and context length for ``layout``; raises ConfigError when they cannot work."""
+    """Blocks and context length for ``layout``; raises ConfigError when they cannot work.
+
+    ``block_bytes`` is what one block costs when it is not ``layout.bytes_per_block``
+    (windowed storage: its full layers, and its share of the window slots).
+    """
     if num_blocks is None:
-        num_blocks = kv_cache_bytes // layout.bytes_per_block
+        num_blocks = kv_cache_bytes // (block_bytes or layout.bytes_per_block)
         if num_blocks < 1:
             raise ConfigError(
                 f"--kv-cache-memory of {kv_cache_bytes:,} bytes holds no KV block: one block of "

@@ -113,6 +113,10 @@ class KVConnector:
         """
         if self.tiers is None or seq.known != seq.computed or seq.computed == 0:
             return False
+        assert seq.table is not None
+        bs = self.manager.block_size
+        if not all(self.tiers.storage.exportable(seq.table.blocks[: -(-seq.computed // bs)])):
+            return False  # some sliding-window K/V was reclaimed: it cannot be stored whole
         try:
             seq.swapped = self.tiers.swap_out(seq.seq_id, seq.tokens, seq.computed)
         except KvTierError:

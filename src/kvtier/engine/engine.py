@@ -74,6 +74,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits
 from kvtier.engine.state_layers import check_exact_blocks
 from kvtier.engine.state_spec import state_spec
+from kvtier.engine.windows import window_plan
 from kvtier.errors import (
     BadRequestError,
     ConfigError,
@@ -91,6 +92,7 @@ from kvtier.policy.base import EvictionPolicy
 from kvtier.pressure.config import PressureSpec
 from kvtier.pressure.controller import PressureController
 from kvtier.storage import make_storage
+from kvtier.storage.windowed import WindowedKVStorage
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +166,24 @@ class Engine:
         # A vision-language model's decoder settings sit in its text config.
         text_config = getattr(model.config, "text_config", None) or model.config
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2**31)
+        #: Sliding-window layers kept apart from full ones (``None``: every layer per block).
+        self.window_plan = (
+            window_plan(
+                lambda name: getattr(text_config, name, None),
+                config.cache.window_kv_ratio,
+                min(model_len, config.scheduler.max_model_len or model_len),
+            )
+            if self.layout.dtype == self.model_layout.dtype
+            else None
+        )
+        wplan = self.window_plan
         plan = plan_cache(
             self.layout,
             model_len,
             num_blocks=config.cache.num_blocks,
             kv_cache_bytes=config.cache.kv_cache_bytes,
             max_model_len=config.scheduler.max_model_len,
+            block_bytes=None if wplan is None else wplan.block_bytes(self.layout),
         )
         num_blocks = plan.num_blocks
         max_model_len = plan.max_model_len
@@ -183,13 +197,26 @@ class Engine:
         if bare is not None:
             check_min_request(plan, bare)
         install(model)
-        self.storage = make_storage(self.layout, num_blocks, self.device, compute_dtype=param.dtype)
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
             policy=policy,
             namespace=Namespace(model_id, self.layout),
         )
+        if wplan is None:
+            self.storage = make_storage(
+                self.layout, num_blocks, self.device, compute_dtype=param.dtype
+            )
+        else:
+            self.storage = WindowedKVStorage(
+                self.layout,
+                num_blocks,
+                window_layers=wplan.window_layers,
+                window=wplan.window,
+                num_slots=wplan.num_slots(num_blocks, block_size, max_num_seqs, budget),
+                device=self.device,
+            )
+            self.manager.set_resume_check(self.storage)
         built = [
             spec.build(self.storage.block_shape, self.storage.dtype, device=self.device)
             for spec in config.tiers
@@ -353,15 +380,22 @@ class Engine:
         layout = self.layout
         stats = self.manager.stats()
         stored = layout.dtype + (" with per-head scales" if layout.scaled else "")
+        storage = self.storage
         lines = [
             f"model {self.model_id}: {layout.num_layers} layers, {layout.num_kv_heads} KV heads "
             f"of {layout.head_dim}, {self.model_layout.dtype} on {self.device}",
             f"KV cache: {stats.total_blocks} blocks of {layout.block_size} tokens "
-            f"({stats.total_blocks * layout.bytes_per_block / 2**20:.0f} MiB, {stored}), policy "
+            f"({storage.nbytes / 2**20:.0f} MiB, {stored}), policy "
             f"{stats.policy}, prefix caching {'on' if self.prefix_caching else 'off'}",
             f"scheduler: {self._seqs_line}, in one batch of at most "
             f"{self.max_num_batched_tokens} tokens a step, max_model_len {self.max_model_len}",
         ]
+        if isinstance(storage, WindowedKVStorage):
+            lines.append(
+                f"sliding-window layers ({len(storage.window_layer_ids)} of {layout.num_layers}, "
+                f"window {storage.window}) kept for {storage.slab.num_slots} blocks at a time "
+                f"(--window-kv-ratio); full layers for every block"
+            )
         d = self.sampling_defaults
         lines.append(
             "requests without temperature/top_p get "

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -84,6 +84,9 @@ class Departure:
     layout: str
     #: The computed blocks' KV (direct moves).
     payload: torch.Tensor | None = None
+    #: Per payload block: whether it is whole (windowed storage drops sliding layers of
+    #: blocks no window sees; the destination marks those blocks the same way).
+    whole: list[bool] = field(default_factory=list)
     #: Where the KV went (moves through a shared tier).
     swapped: SwappedRequest | None = None
 
@@ -185,7 +188,7 @@ def detach(engine: Engine, request_id: str, *, via: Via = "direct") -> Departure
     if computed:
         if via == "direct":
             n_blocks = -(-computed // bs)
-            dep.payload = engine.storage.export_blocks(seq.table.blocks[:n_blocks])
+            dep.payload, dep.whole = engine.storage.export_partial(seq.table.blocks[:n_blocks])
         else:
             tiers = engine.tier_chain
             shared = None if tiers is None else tiers.shared_tier()
@@ -296,7 +299,9 @@ def attach(engine: Engine, dep: Departure, request_id: str | None = None) -> str
     try:
         if hit < len(blocks):
             engine.connector.demote_pending()  # the imported blocks may be just-evicted ones
-            engine.storage.import_blocks(blocks[hit:], dep.payload[hit : len(blocks)])
+            engine.storage.import_partial(
+                blocks[hit:], dep.payload[hit : len(blocks)], dep.whole[hit : len(blocks)]
+            )
     except (BadRequestError, RuntimeError) as exc:
         manager.abort(rid, hit * bs)
         raise MigrationError(f"copying the request's KV failed: {exc}") from exc

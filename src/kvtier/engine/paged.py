@@ -20,9 +20,11 @@ to transformers' own attention functions) sees only the keys at positions
 ``p - window < k <= p`` for a query at ``p``, transformers' convention
 (:mod:`kvtier.engine.attention_spec`). It also gathers less: only the
 blocks from the first one holding a key it can see, so a long context costs
-such a layer about one window of K/V per query, not the whole past. The
-blocks themselves stay allocated for every layer (a block holds all layers'
-K/V, and full layers and the prefix cache need them).
+such a layer about one window of K/V per query, not the whole past. With
+:class:`~kvtier.storage.windowed.WindowedKVStorage` a sliding layer's K/V
+lives in window slots rather than in the blocks, and the layer writes and
+reads it through the slot rows (:attr:`BatchMeta.new_window_rows`,
+:meth:`KVView.window_rows`).
 
 All writes of a layer happen before its reads, so a sequence may read blocks
 another sequence of the same pass is computing (a prefix they share).
@@ -74,7 +76,7 @@ class KVView:
     ``i`` may see key ``k``.
     """
 
-    __slots__ = ("_bias", "blocks", "mask", "nb", "rows")
+    __slots__ = ("_bias", "_window_rows", "blocks", "mask", "nb", "rows")
 
     def __init__(
         self, blocks: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, nb: int
@@ -84,6 +86,14 @@ class KVView:
         self.mask = mask
         self.nb = nb
         self._bias: torch.Tensor | None = None
+        self._window_rows: torch.Tensor | None = None
+
+    def window_rows(self, storage: KVBlockStorage) -> torch.Tensor:
+        """The same tokens' rows for a layer ``storage`` keeps by window slot (built once)."""
+        rows = self._window_rows
+        if rows is None:
+            rows = self._window_rows = storage.window_block_rows(self.blocks.tolist())
+        return rows
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask in SDPA's additive form (0 where visible, -inf elsewhere) in ``dtype``.
@@ -125,6 +135,7 @@ class BatchMeta:
         "decode_only",
         "full",
         "new_rows",
+        "new_window_rows",
         "q_gather",
         "q_scatter",
         "storage",
@@ -154,6 +165,10 @@ class BatchMeta:
         self._starts = torch.tensor([s.start for s in seqs], device=device)
         self._num_new = torch.tensor([s.num_new for s in seqs], device=device)
         self.new_rows = storage.slot_rows(torch.tensor(new_slots, dtype=torch.int64))
+        #: The new tokens' rows in layers kept by window slot (windowed storage only).
+        self.new_window_rows = (
+            storage.window_rows(new_slots) if storage.layout_kind == "split" else self.new_rows
+        )
         self.q_gather = torch.tensor(q_gather, dtype=torch.int64, device=device)
         self.q_scatter = torch.tensor(q_scatter, dtype=torch.int64, device=device)
         #: What a full-attention layer reads: every sequence's whole context.
@@ -324,7 +339,8 @@ def paged_attention(
             # Slots widened for a model's convolution layers (LFM2): zero-pad, cut on read.
             new_k = F.pad(new_k, (0, width - narrow[0]))
             new_v = F.pad(new_v, (0, width - narrow[1]))
-        storage.write_rows(layer, meta.new_rows, new_k, new_v)
+        windowed = storage.is_window_layer(layer)
+        storage.write_rows(layer, meta.new_window_rows if windowed else meta.new_rows, new_k, new_v)
         # The model passes each layer's window (None for full attention), as it does to
         # transformers' own attention functions.
         window = kwargs.get("sliding_window")
@@ -335,7 +351,8 @@ def paged_attention(
             view = meta.chunked_view(chunk)
         else:
             view = meta.full
-        k, v = storage.read_rows(layer, view.rows)  # [B * blocks * block_size, kv_heads, dim]
+        rows = view.window_rows(storage) if windowed else view.rows
+        k, v = storage.read_rows(layer, rows)  # [B * blocks * block_size, kv_heads, dim]
         if narrow is not None:
             k, v = k[..., : narrow[0]], v[..., : narrow[1]]
     temperature = getattr(module, "_kvtier_temperature", None)

@@ -109,6 +109,9 @@ class EngineCounters:
     computed_prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    #: Sequences preempted to recompute because their sliding window lost a slot
+    #: (windowed storage; counted in ``preemptions`` too).
+    window_recomputes: int = 0
     forward_errors: int = 0
     #: Choices started by forking a computed prompt (``n > 1``), not recomputing it.
     forked_sequences: int = 0

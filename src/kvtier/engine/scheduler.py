@@ -43,6 +43,7 @@ from kvtier.manager import KVCacheManager, PrefixMatch
 from kvtier.offload.chain import TierChain
 from kvtier.pressure.controller import PressureController
 from kvtier.storage import KVBlockStorage
+from kvtier.storage.window_slab import window_blocks
 
 if TYPE_CHECKING:
     from kvtier.agents.attach import AgentSupport
@@ -114,7 +115,54 @@ class Scheduler:
             self.finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
         out.batch = self._batch(outs)
+        if self.storage.layout_kind == "split":
+            self._hold_windows(out.batch)
         return out
+
+    def _hold_windows(self, batch: list[tuple[Seq, int]]) -> None:
+        """Hold the window slots running sequences read, and give this pass's writes slots.
+
+        Windowed storage (:mod:`kvtier.storage.windowed`) keeps a block's
+        sliding layers only while a query can see it. A sequence reads the
+        blocks from its window's start up to its first new token and writes
+        the blocks after; the slots it no longer sees become idle, to be
+        reclaimed. A sequence whose window lost a slot (an imported prefix
+        whose slot another import took) cannot run: it is preempted without
+        a swap and recomputes from the part of its prefix that is whole.
+        """
+        # Queued evictions leave first: a block handed a slot below may be one of them,
+        # and its demotion must export the K/V it had, not the new slot's.
+        self.connector.demote_pending()
+        storage = self.storage
+        slab = storage.slab  # type: ignore[attr-defined]
+        window: int = storage.window  # type: ignore[attr-defined]
+        bs = storage.layout.block_size
+        new = {id(seq): n for seq, n in batch}
+        hold: list[int] = []
+        lost: list[Seq] = []
+        for seq in self.queues.running:
+            if seq.table is None or seq.load is not None:
+                continue
+            blocks = seq.table.blocks
+            start = seq.computed
+            reads = blocks[window_blocks(start, window, bs) : -(-start // bs)]
+            if id(seq) in new and not all(slab.has(b) for b in reads):
+                lost.append(seq)
+                continue
+            hold.extend(reads)
+        slab.hold(hold)
+        for seq, n in batch:
+            if any(s is seq for s in lost):
+                continue
+            assert seq.table is not None
+            start = seq.computed
+            for b in seq.table.blocks[-(-start // bs) : -(-(start + n) // bs)]:
+                if slab.assign(b, held=True) is None:
+                    lost.append(seq)
+                    break
+        for seq in lost:
+            self.counters.window_recomputes += 1
+            self.preempt(seq, batch, swap=False)
 
     def idle(self, outs: list[RequestOutput]) -> None:
         """Nothing could be scheduled: wait for a load, or for a prefetch, instead of spinning."""
@@ -450,15 +498,18 @@ class Scheduler:
         seq.known = seq.computed = 0
         self._mark_unready(seq)
 
-    def preempt(self, seq: Seq, batch: list[tuple[Seq, int]]) -> None:
-        """Take ``seq`` out of the running set; it resumes later from its cached blocks."""
+    def preempt(self, seq: Seq, batch: list[tuple[Seq, int]], *, swap: bool = True) -> None:
+        """Take ``seq`` out of the running set; it resumes later from its cached blocks.
+
+        ``swap`` lets it move its blocks to the first tier when it can.
+        """
         for i, (s, _) in enumerate(batch):
             if s is seq:
                 del batch[i]
                 break
         if seq.load is not None:
             self.complete_load(seq)
-        if self.prefix_caching and self.connector.swap_out(seq):
+        if swap and self.prefix_caching and self.connector.swap_out(seq):
             self._mark_unready(seq)
         else:
             self.release(seq, keep=self.prefix_caching)

@@ -43,7 +43,18 @@ class Demoter:
     def store_blocks(
         self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
     ) -> None:
-        """Store device ``blocks`` under ``keys`` on tier ``t``."""
+        """Store device ``blocks`` under ``keys`` on tier ``t``.
+
+        Blocks the device cannot export whole (a windowed storage's blocks
+        whose sliding layers were reclaimed) are left out: a tier never holds
+        a block it could not give back exactly.
+        """
+        whole = self.storage.exportable(blocks)
+        if not all(whole):
+            keys = [k for k, ok in zip(keys, whole, strict=True) if ok]
+            blocks = [b for b, ok in zip(blocks, whole, strict=True) if ok]
+            if not blocks:
+                return
         payloads = self.encode_device(t, blocks)
         self.store_payloads(t, keys, payloads, cascade=cascade)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierUnavailableError
 
 if TYPE_CHECKING:
     from kvtier.offload.chain import TierChain
@@ -70,9 +70,15 @@ def store_request(
     bs = mgr.block_size
     keys = mgr.block_keys(request_id)
     n_full = min(len(keys), num_computed_tokens // bs)
+    rest = num_computed_tokens - n_full * bs
+    held = blocks[: n_full + (1 if rest > 0 and n_full < len(blocks) else 0)]
+    if not all(chain.storage.exportable(held)):
+        raise TierUnavailableError(
+            f"request {request_id!r} cannot be stored whole: some of its blocks' sliding-window "
+            "K/V was reclaimed (it recomputes instead)"
+        )
     chain.store_blocks(tier, keys[:n_full], blocks[:n_full])
     tail: int | None = None
-    rest = num_computed_tokens - n_full * bs
     if rest > 0 and n_full < len(blocks):
         tail = tail_key(mgr.namespace_root, request_id, token_ids[:num_computed_tokens])
         chain.store_blocks(tier, [tail], [blocks[n_full]])

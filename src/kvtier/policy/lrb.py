@@ -394,6 +394,7 @@ class LRBPolicy(PolicyBase):
         if size != 1:
             self._record_size(key, size)
         self._join(key, pinned)
+        self._forget()
 
     def insert_many(
         self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
@@ -402,6 +403,9 @@ class LRBPolicy(PolicyBase):
             self._record_sizes(keys, sizes)
         for key in keys:
             self._join(key, pinned)
+        # Keys no request named (generated tokens' blocks) are remembered here, so the
+        # history is trimmed here too, not only when a request arrives.
+        self._forget()
 
     def _join(self, key: int, pinned: bool) -> None:
         m = self._meta.get(key)

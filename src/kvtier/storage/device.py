@@ -43,7 +43,7 @@ from kvtier.layout import KVLayout, cdiv
 if TYPE_CHECKING:
     from kvtier.offload.codec import Codec
 
-LayoutKind: TypeAlias = Literal["block", "layer"]
+LayoutKind: TypeAlias = Literal["block", "layer", "split"]
 LAYOUT_KINDS: tuple[LayoutKind, ...] = ("block", "layer")
 #: Chosen from ``bench/kv_layout.py`` (CPU, SmolLM2-135M geometry): per-layer
 #: writes and reads were no slower in the block layout (1.04-1.4x faster), and
@@ -246,6 +246,45 @@ class KVBlockStorage:
         """
         layer = self._check_layer(layer)
         return self._k_blocks[layer].view(self.dtype), self._v_blocks[layer].view(self.dtype)
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s rows come from :meth:`window_rows` (never, here: see
+        :class:`~kvtier.storage.windowed.WindowedKVStorage`)."""
+        return False
+
+    def exportable(self, block_ids: Sequence[int]) -> list[bool]:
+        """Per block: whether :meth:`export_blocks` can give its whole payload (always, here)."""
+        return [True] * len(block_ids)
+
+    def export_partial(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
+        """:meth:`export_blocks`, with per block whether its payload is whole.
+
+        Here every block is; a :class:`~kvtier.storage.windowed.WindowedKVStorage`
+        gives zeros for the sliding layers of blocks that lost them, and
+        :meth:`import_partial` on the other side keeps those blocks marked so.
+        """
+        return self.export_blocks(list(block_ids)), self.exportable(block_ids)
+
+    def import_partial(
+        self, block_ids: Sequence[int], data: torch.Tensor, whole: Sequence[bool]
+    ) -> None:
+        """:meth:`import_blocks` of what :meth:`export_partial` gave (``whole`` per block)."""
+        if not all(whole):
+            raise BadRequestError(
+                "this storage keeps every layer of every block: it cannot take blocks whose "
+                "sliding-window K/V is missing"
+            )
+        self.import_blocks(list(block_ids), data)
+
+    def window_block_rows(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Rows of every token of ``block_ids`` for layers held apart by window: here, by block."""
+        bs = self.layout.block_size
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        return self.slot_rows((ids[:, None] * bs + torch.arange(bs)).flatten())
+
+    def window_rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """Rows of ``slots`` for layers held apart by block windows: here, :meth:`slot_rows`."""
+        return self.slot_rows(list(slots))
 
     def __repr__(self) -> str:
         return (
