@@ -5,7 +5,8 @@ their sliding layers' K/V. A hypothesis state machine drives it with holds,
 assignments and drops and checks, after every step, that it agrees with a
 model made of a dict and a list: which block owns which slot, that held
 slots are never taken, that the least recently used idle slot is the one
-reclaimed, and what :meth:`~WindowSlab.resumable` answers.
+reclaimed, which released slots go first in line to be reclaimed (those not marked as
+likely resume points), and what :meth:`~WindowSlab.resumable` answers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class SlabMachine(RuleBasedStateMachine):
         self.held: set[int] = set()  # blocks
         #: idle blocks, least recently used first
         self.idle: list[int] = []
+        #: blocks whose slot is a likely resume point
+        self.valuable: set[int] = set()
 
     def _touch_idle(self, b: int) -> None:
         if b in self.idle:
@@ -44,12 +47,20 @@ class SlabMachine(RuleBasedStateMachine):
         released = self.held - new
         kept = [b for b in self.idle if b not in new]
         order = [self.slab._block_of[s] for s in self.slab._idle]
-        # Idle slots keep their order; the ones released now follow, most recently used
-        # (their order among themselves is the slab's choice).
-        assert order[: len(kept)] == kept
-        assert set(order[len(kept) :]) == released
+        # Released slots that are not likely resume points go first in line to be
+        # reclaimed; valuable ones last; idle ones keep their order between (the order
+        # among slots released together is the slab's choice).
+        cheap = {b for b in released if b not in self.valuable}
+        assert set(order[: len(cheap)]) == cheap
+        assert order[len(cheap) : len(cheap) + len(kept)] == kept
+        assert set(order[len(cheap) + len(kept) :]) == released - cheap
         self.idle = order
         self.held = new
+
+    @rule(blocks=st.lists(st.integers(0, BLOCKS - 1), max_size=4))
+    def mark_valuable(self, blocks: list[int]) -> None:
+        self.slab.mark_valuable(blocks)
+        self.valuable.update(b for b in blocks if b in self.owner)
 
     @rule(block=st.integers(0, BLOCKS - 1), held=st.booleans())
     def assign(self, block: int, held: bool) -> None:
@@ -71,6 +82,7 @@ class SlabMachine(RuleBasedStateMachine):
         if before_free == 0:
             victim = self.idle.pop(0)  # the least recently used idle slot
             assert self.owner.pop(victim) == got
+            self.valuable.discard(victim)
             assert not self.slab.has(victim)
         else:
             assert got not in self.owner.values()
@@ -84,6 +96,7 @@ class SlabMachine(RuleBasedStateMachine):
     def drop(self, block: int) -> None:
         self.slab.drop(block)
         self.owner.pop(block, None)
+        self.valuable.discard(block)
         self.held.discard(block)
         if block in self.idle:
             self.idle.remove(block)
@@ -110,6 +123,8 @@ class SlabMachine(RuleBasedStateMachine):
             assert self.slab.has(b) == (b in self.owner)
             if b in self.owner:
                 assert self.slab.slot_of[b] == self.owner[b]
+        for b in range(BLOCKS):
+            assert self.slab.is_valuable(b) == (b in self.valuable)
         stats = self.slab.stats()
         assert stats.used == len(self.owner)
         assert stats.held == len(self.held)

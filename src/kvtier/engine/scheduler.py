@@ -119,6 +119,21 @@ class Scheduler:
             self._hold_windows(out.batch)
         return out
 
+    def _mark_window(self, seq: Seq, position: int) -> None:
+        """Windowed storage: the window a request resuming at the last block boundary at or
+        before ``position`` of ``seq`` reads is a likely resume point, kept longest when idle.
+
+        Called where ``seq`` resumed from a cached prefix (a branch point), where its
+        prompt ends (the same prompt again) and where it stops (its next turn)."""
+        storage = self.storage
+        if storage.layout_kind != "split" or seq.table is None:
+            return
+        bs = storage.layout.block_size
+        end = position // bs
+        if end:
+            first = window_blocks(end * bs, storage.window, bs)  # type: ignore[attr-defined]
+            storage.slab.mark_valuable(seq.table.blocks[first:end])  # type: ignore[attr-defined]
+
     def _hold_windows(self, batch: list[tuple[Seq, int]]) -> None:
         """Hold the window slots running sequences read, and give this pass's writes slots.
 
@@ -291,6 +306,7 @@ class Scheduler:
         seq.table = alloc.block_table
         seq.known = upto
         seq.computed = alloc.num_cached_tokens
+        self._mark_window(seq, seq.computed)  # a prefix it resumes from is a branch point
         seq.admit_len = n
         seq.admissions += 1
         m = seq.metrics
@@ -406,6 +422,8 @@ class Scheduler:
         """``n`` more of ``seq``'s tokens have K/V: count them, store them through, mark them."""
         start = seq.computed
         seq.computed = start + n
+        if start < seq.admit_len <= seq.computed:
+            self._mark_window(seq, seq.admit_len - 1)  # where the same prompt resumes
         prompt_part = max(0, min(seq.computed, seq.admit_len) - start)
         self.counters.computed_prompt_tokens += prompt_part
         self.connector.store_computed(seq, start, seq.computed)
@@ -488,6 +506,8 @@ class Scheduler:
         if seq.table is None:
             return
         self.connector.drop_load(seq)
+        if keep:
+            self._mark_window(seq, seq.computed)  # where it (or its next turn) resumes
         if not keep:
             self.manager.abort(seq.seq_id, seq.metrics.cached_tokens if seq.admissions == 1 else 0)
         elif seq.known > seq.computed:

@@ -12,7 +12,13 @@ key of its tokens, carries the checkpoint at its end; a request that hits a
 prefix of ``k`` blocks (hits are always whole blocks) resumes from block
 ``k - 1``'s checkpoint, and the prefix cache, the offload tiers, preemption
 and moving a request between engines keep checkpoints with their blocks,
-since to them a block is bytes.
+since to them a block is bytes. With
+:class:`~kvtier.storage.windowed.WindowedKVStorage` the state layers' part
+of a block lives in a checkpoint slot, kept only while a request resumes
+from or writes the block and for as long as slots allow after that
+(:mod:`kvtier.engine.windows`); the layers read and write it through
+``window_block_rows``, which names the slot's rows there and the block's
+otherwise.
 
 In a batched pass each state layer:
 
@@ -119,12 +125,11 @@ class _StateIO:
                 f"{self.part_bytes} bytes of a block: build the layout with "
                 "kvtier.engine.layout_for_model(model.config, ...)"
             )
-        self._arange = torch.arange(lay.block_size)
 
     def rows(self, blocks: list[int]) -> torch.Tensor:
         """Storage rows of every slot of ``blocks``, block after block."""
-        slots = torch.tensor(blocks, dtype=torch.int64)[:, None] * self.block_size + self._arange
-        return self.storage.slot_rows(slots.flatten())
+        # Windowed storage keeps state layers by window slot, others by block.
+        return self.storage.window_block_rows(blocks)
 
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(conv [n, C, K], recurrent [n, H, a, b])`` kept in the blocks of ``rows``."""

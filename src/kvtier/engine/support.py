@@ -12,7 +12,7 @@ compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
 (:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba
 layers of Qwen3-Next, Qwen3.5, Kimi Linear, Bamba, Granite 4, Nemotron-H,
-Falcon-H1 and Jamba from a checkpoint of their recurrent state in every block
+Falcon-H1 and Jamba from checkpoints of their recurrent state kept with the blocks
 (:mod:`kvtier.engine.state_layers`). Nothing else is: other state-space
 families are unchecked, attention sinks add a learned logit to every
 softmax, and soft-capping bends the attention logits. Served through

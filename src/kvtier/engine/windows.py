@@ -1,9 +1,15 @@
-"""Whether an engine keeps a model's sliding-window layers apart, and how many slots it gives them.
+"""Whether an engine keeps some layers' share of blocks apart, and how many slots it gives them.
 
-A model whose layers are full attention and sliding-window attention only
-(Gemma 3, Mistral, Qwen2/Qwen3 with ``use_sliding_window``) is served from
-:class:`~kvtier.storage.windowed.WindowedKVStorage`: full layers per block,
-sliding layers per window slot. :func:`window_plan` reads that from the
+Two kinds of layer need their share of a block only near where a request
+reads: a sliding-window layer (Gemma 3, Mistral, Qwen2/Qwen3 with
+``use_sliding_window``) the last window of positions, and a
+linear-attention or Mamba layer (Qwen3-Next, Qwen3.5, Bamba, Granite 4,
+Nemotron-H, Jamba) the checkpoint of its state at the block before its
+first new token. Such a model is served from
+:class:`~kvtier.storage.windowed.WindowedKVStorage`: the other layers per
+block, these per window slot, so a checkpoint is kept only for the blocks
+running requests resume from and for as many cached ones as the slots
+allow (the most recently used). :func:`window_plan` reads that from the
 config alone; :class:`WindowPlan` sizes the slots:
 
 - ``ratio`` slots per block of the pool (``CacheConfig.window_kv_ratio``),
@@ -26,6 +32,10 @@ from kvtier.engine.attention_spec import attention_spec, chunked_layers, short_c
 from kvtier.engine.state_spec import state_spec
 from kvtier.layout import KVLayout, cdiv
 
+#: What a linear-attention or Mamba layer reads of the past, as a window: the checkpoint
+#: in the block holding the position before its first new token.
+STATE_WINDOW = 2
+
 
 @dataclass(frozen=True, slots=True)
 class WindowPlan:
@@ -33,13 +43,12 @@ class WindowPlan:
 
     window: int
     window_layers: tuple[int, ...]
-    num_layers: int
     ratio: float
 
     def full_bytes(self, layout: KVLayout) -> int:
         """One block's full layers, in bytes."""
         per_layer = layout.bytes_per_block // layout.num_layers
-        return per_layer * (self.num_layers - len(self.window_layers))
+        return per_layer * (layout.num_layers - len(self.window_layers))
 
     def window_bytes(self, layout: KVLayout) -> int:
         """One block's sliding layers, in bytes."""
@@ -79,17 +88,19 @@ def window_plan(
     """
     if ratio is None:
         return None
-    if (
-        get("kv_lora_rank") is not None
-        or short_conv_layers(get)
-        or state_spec(get) is not None
-        or chunked_layers(get)[0]
-    ):
+    if get("kv_lora_rank") is not None or short_conv_layers(get) or chunked_layers(get)[0]:
         return None
+    state = state_spec(get)
+    if state is not None:
+        if state.beside_attention:
+            return None  # attention and state share every layer (Falcon-H1)
+        # A state layer resumes at ``p`` from the checkpoint in the block holding ``p - 1``:
+        # a "window" of two positions.
+        return WindowPlan(STATE_WINDOW, state.layers, float(ratio))
     spec = attention_spec(get)
     window = spec.max_window
     if window is None:
         return None
     if max_model_len is not None and window >= max_model_len:
         return None
-    return WindowPlan(window, spec.sliding_layers, spec.num_layers, float(ratio))
+    return WindowPlan(window, spec.sliding_layers, float(ratio))

@@ -18,6 +18,13 @@ holds them).
   or write (:meth:`WindowSlab.hold`); held slots are never reclaimed.
   Every other slot is *idle* and reclaimed least recently used first when
   a block needs one.
+- Not every idle slot is worth the same (Marconi's observation for hybrid
+  models): the window a request ends on is where its next turn resumes,
+  and a window a request resumed from is a branch point of the prefix
+  tree; a window a request merely slid past is rarely resumed from.
+  :meth:`WindowSlab.mark_valuable` flags the first kind; a released slot
+  without the flag goes to the reclaim-first end of the idle order, one
+  with it to the keep-longest end.
 - :meth:`WindowSlab.resumable` says how much of a cached prefix a request
   can resume from: the longest run of leading blocks whose last window
   still has its slots.
@@ -69,6 +76,8 @@ class WindowSlab:
         #: Slots with a block that nothing holds, least recently used first.
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._held: set[int] = set()
+        #: Slots whose window a request ended on or resumed from (cleared when reassigned).
+        self._valuable: set[int] = set()
         self._reclaimed = 0
 
     # -- queries ----------------------------------------------------------------------
@@ -119,17 +128,30 @@ class WindowSlab:
     def hold(self, blocks: Iterable[int]) -> None:
         """Hold exactly the slots of ``blocks`` (those that have one), releasing the rest.
 
-        A released slot stays with its block, as the most recently used idle
-        slot, until another block needs it.
+        A released slot stays with its block until another block needs it: a
+        valuable one (:meth:`mark_valuable`) as the most recently used idle
+        slot, any other as the first to be reclaimed.
         """
         slot_of = self.slot_of
         new = {s for s in (slot_of[b] for b in blocks) if s >= 0}
         idle = self._idle
+        valuable = self._valuable
         for s in self._held - new:
             idle[s] = None
+            if s not in valuable:
+                idle.move_to_end(s, last=False)
         for s in new:
             idle.pop(s, None)
         self._held = new
+
+    def mark_valuable(self, blocks: Iterable[int]) -> None:
+        """Flag the slots of ``blocks`` (those that have one) as likely resume points."""
+        slot_of = self.slot_of
+        self._valuable.update(s for s in (slot_of[b] for b in blocks) if s >= 0)
+
+    def is_valuable(self, block: int) -> bool:
+        s = self.slot_of[block]
+        return s >= 0 and s in self._valuable
 
     def assign(self, block: int, *, held: bool) -> int | None:
         """A slot for ``block`` (its own, when it has one); ``None`` when every slot is held.
@@ -147,6 +169,7 @@ class WindowSlab:
                 if old < 0 or self.slot_of[old] != s:
                     raise InternalInvariantError(f"idle window slot {s} has no block")
                 self.slot_of[old] = -1
+                self._valuable.discard(s)
                 self._reclaimed += 1
             else:
                 return None
@@ -170,6 +193,7 @@ class WindowSlab:
         self._block_of[s] = -1
         self._idle.pop(s, None)
         self._held.discard(s)
+        self._valuable.discard(s)
         self._free.append(s)
 
     def check(self) -> None:
@@ -186,5 +210,7 @@ class WindowSlab:
             b = self._block_of[s]
             if (b >= 0) == (s in free) or (b >= 0 and self.slot_of[b] != s):
                 raise InternalInvariantError(f"window slot {s} and block {b} disagree")
+        if self._valuable & free:
+            raise InternalInvariantError("a free window slot is marked valuable")
         if sum(1 for s in self.slot_of if s >= 0) != self.num_slots - len(free):
             raise InternalInvariantError("a block names a slot it does not own")
