@@ -94,14 +94,18 @@ from kvtier.errors import ConfigError
 from kvtier.replay.progress import ProgressBar, want_progress
 from kvtier.replay.traces import Trace, load_trace
 
-Strategy = Literal["none", "every_block", "sparse", "sparse_flop"]
-STRATEGIES: tuple[Strategy, ...] = ("none", "every_block", "sparse", "sparse_flop")
+Strategy = Literal["none", "every_block", "sparse", "sparse_flop", "slots"]
+STRATEGIES: tuple[Strategy, ...] = ("none", "every_block", "sparse", "sparse_flop", "slots")
 STRATEGY_LABELS: dict[Strategy, str] = {
     "none": "no hybrid caching",
     "every_block": "checkpoint every block",
     "sparse": "checkpoint where reuse is likely",
     "sparse_flop": "same, FLOP-aware eviction",
+    "slots": "kvtier: checkpoint slots",
 }
+#: kvtier serve's --window-kv-ratio auto for state checkpoints (AUTO_STATE_RATIO in
+#: kvtier.engine.windows, which imports torch; this replay does not).
+DEFAULT_SLOT_RATIO = 0.05
 _SPARSE: tuple[Strategy, ...] = ("sparse", "sparse_flop")
 DEFAULT_ALPHA = 1.0
 DEFAULT_WINDOW = 64
@@ -631,6 +635,172 @@ class HybridPrefixCache:
             assert parent < 0 or key in self._children[parent]
 
 
+@dataclass(slots=True)
+class SlotCache:
+    """kvtier's engine: attention blocks in an LRU pool, checkpoints in a fixed set of slots.
+
+    What ``kvtier serve`` does for a hybrid model (``kvtier.engine.windows``):
+    the budget buys blocks at ``block_bytes + ratio x checkpoint_bytes`` each,
+    and ``ratio`` slots per block hold checkpoints. Every block a request
+    computes gets a slot; once the request has passed it, the slot goes first
+    in line to be reclaimed, except at likely resume points: where the
+    request resumed from a cached prefix (a branch point) and where its
+    prompt ends, which go last. A request resumes at the deepest block of
+    its cached prefix whose checkpoint is still kept. Blocks are evicted
+    LRU, tails first, as in :class:`HybridPrefixCache`; a block's slot is
+    freed with it (the engine leaves it to be reclaimed in turn, so this is
+    slightly in kvtier's favour).
+    """
+
+    budget: int | None
+    block_bytes: int
+    checkpoint_bytes: int
+    ratio: float
+    stats: RunStats
+    #: False: every released slot is simply the most recently used (plain LRU slots).
+    resume_points: bool = True
+    num_blocks: int | None = None
+    num_slots: int | None = None
+    used: int = 0
+    blocks: int = 0
+    checkpoints: int = 0
+    _lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    _parent: dict[int, int] = field(default_factory=dict)
+    _children: dict[int, set[int]] = field(default_factory=dict)
+    #: Block keys with a checkpoint slot, first to be reclaimed first.
+    _slots: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    _valuable: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            per_block = self.block_bytes + self.ratio * self.checkpoint_bytes
+            self.num_blocks = int(self.budget // per_block)
+            self.num_slots = int(self.ratio * self.num_blocks)
+            if self.num_slots < 1:
+                # At least one slot (as the engine keeps the slots running requests
+                # need), and the blocks that fit beside it.
+                self.num_slots = 1
+                self.num_blocks = max(0, (self.budget - self.checkpoint_bytes) // self.block_bytes)
+
+    def serve(self, keys: Sequence[int], max_reuse: int) -> Outcome:
+        lru = self._lru
+        found = 0
+        for k in keys:
+            if k not in lru:
+                break
+            found += 1
+        usable = min(found, max_reuse)
+        reused = 0
+        for i in range(usable, 0, -1):
+            if keys[i - 1] in self._slots:
+                reused = i
+                break
+        pinned = set(keys[:found])
+        stored = found
+        for i in range(found, len(keys)):
+            if not self._make_room(pinned):
+                break
+            k = keys[i]
+            lru[k] = None
+            self.blocks += 1
+            self.used += self.block_bytes
+            parent = keys[i - 1] if i else -1
+            self._parent[k] = parent
+            if parent >= 0:
+                self._children.setdefault(parent, set()).add(k)
+            pinned.add(k)
+            stored += 1
+        # The checkpoint it resumes from is held (never reclaimed) while it computes.
+        held = keys[reused - 1] if reused else None
+        if held is not None:
+            self._valuable.add(held)  # a branch point
+        end = min(stored, max_reuse)  # where the same prompt resumes
+        added = 0
+        # The blocks it computes get slots in turn, each released once passed.
+        for i in range(reused, stored):
+            k = keys[i]
+            if k not in self._slots:
+                if not self._take_slot(held):
+                    continue
+                self._slots[k] = None
+                self.checkpoints += 1
+                self.used += self.checkpoint_bytes
+                added += 1
+            if i == end - 1:
+                self._valuable.add(k)
+            self._release(k)
+        if reused and keys[reused - 1] in self._slots:
+            self._release(keys[reused - 1])
+        # Last block first: the chain's head ends up most recent (tails go first).
+        for i in range(stored - 1, -1, -1):
+            lru.move_to_end(keys[i])
+        return Outcome(found, reused, stored, added)
+
+    def _release(self, key: int) -> None:
+        self._slots.move_to_end(key, last=key in self._valuable or not self.resume_points)
+
+    def _take_slot(self, held: int | None) -> bool:
+        if self.num_slots is None or self.checkpoints < self.num_slots:
+            return True
+        victim = next((k for k in self._slots if k != held), None)
+        if victim is None:
+            return False
+        self._drop_slot(victim)
+        self.stats.checkpoint_evictions += 1
+        return True
+
+    def _drop_slot(self, key: int) -> None:
+        del self._slots[key]
+        self._valuable.discard(key)
+        self.checkpoints -= 1
+        self.used -= self.checkpoint_bytes
+
+    def _make_room(self, pinned: set[int]) -> bool:
+        if self.num_blocks is None:
+            return True
+        while self.blocks >= self.num_blocks:
+            oldest = next(iter(self._lru), None)
+            if oldest is None or oldest in pinned:
+                return False
+            self._evict(oldest, cascade=False)
+        return True
+
+    def _evict(self, key: int, *, cascade: bool) -> None:
+        del self._lru[key]
+        self.blocks -= 1
+        self.used -= self.block_bytes
+        st = self.stats
+        if cascade:
+            st.cascade_drops += 1
+        else:
+            st.block_evictions += 1
+        if key in self._slots:
+            self._drop_slot(key)
+        parent = self._parent.pop(key)
+        if parent >= 0:
+            siblings = self._children[parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        for child in list(self._children.get(key, ())):
+            self._evict(child, cascade=True)
+        self._children.pop(key, None)
+
+    def check(self) -> None:
+        """Raise AssertionError unless the bookkeeping is consistent."""
+        assert self.blocks == len(self._lru) == len(self._parent)
+        assert self.checkpoints == len(self._slots)
+        assert self.num_slots is None or self.checkpoints <= self.num_slots
+        assert self.num_blocks is None or self.blocks <= self.num_blocks
+        assert all(k in self._lru for k in self._slots), "a slot without its block"
+        assert self._valuable <= set(self._slots), "a valuable mark without its slot"
+        assert self.used == self.blocks * self.block_bytes + (
+            self.checkpoints * self.checkpoint_bytes
+        )
+        for parent in self._parent.values():
+            assert parent < 0 or parent in self._lru, "a cached block without its parent"
+
+
 def replay(
     trace: Trace,
     memory: HybridMemory,
@@ -641,6 +811,8 @@ def replay(
     window: int = DEFAULT_WINDOW,
     tick: Callable[[int], None] | None = None,
     check_every: int = 0,
+    slot_ratio: float = DEFAULT_SLOT_RATIO,
+    resume_points: bool = True,
 ) -> RunStats:
     """Replay ``trace`` through one strategy at one budget.
 
@@ -654,16 +826,27 @@ def replay(
     def resume_flops(depth: int) -> float:
         return memory.prefill_flops(depth * bs)
 
-    cache = HybridPrefixCache(
-        strategy,
-        budget.bytes,
-        memory.block_kv_bytes(bs),
-        memory.checkpoint_bytes,
-        stats,
-        alpha=alpha,
-        window=window,
-        resume_flops=resume_flops,
-    )
+    cache: HybridPrefixCache | SlotCache
+    if strategy == "slots":
+        cache = SlotCache(
+            budget.bytes,
+            memory.block_kv_bytes(bs),
+            memory.checkpoint_bytes,
+            slot_ratio,
+            stats,
+            resume_points=resume_points,
+        )
+    else:
+        cache = HybridPrefixCache(
+            strategy,
+            budget.bytes,
+            memory.block_kv_bytes(bs),
+            memory.checkpoint_bytes,
+            stats,
+            alpha=alpha,
+            window=window,
+            resume_flops=resume_flops,
+        )
     t0 = time.perf_counter()
     for n, req in enumerate(trace.requests, 1):
         keys = req.full_keys(bs)
@@ -702,6 +885,8 @@ def run_all(
     alpha: float = DEFAULT_ALPHA,
     window: int = DEFAULT_WINDOW,
     progress: bool = False,
+    slot_ratio: float = DEFAULT_SLOT_RATIO,
+    resume_points: bool = True,
 ) -> list[RunStats]:
     """Every strategy at every budget, budgets outermost."""
     bar = ProgressBar(len(trace.requests) * len(budgets) * len(strategies), enabled=progress)
@@ -719,6 +904,8 @@ def run_all(
                         alpha=alpha,
                         window=window,
                         tick=bar.advance,
+                        slot_ratio=slot_ratio,
+                        resume_points=resume_points,
                     )
                 )
     finally:
@@ -821,7 +1008,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "Replay a Mooncake trace through prefix caching for a hybrid model "
             "(Qwen3-Next-80B-A3B's attention KV and linear-attention state sizes) under "
             "fixed device byte budgets, comparing no hybrid caching, a state checkpoint in "
-            "every block, and checkpoints only where reuse is likely (Marconi-style). "
+            "every block, checkpoints only where reuse is likely (Marconi-style), and "
+            "kvtier's checkpoint slots. "
             "Every strategy is LRU over byte-accounted blocks and checkpoints."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -846,7 +1034,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated subset of: none (no hybrid prefix caching: nothing reusable), "
         "every_block (state checkpoint in every block), sparse (checkpoints at prompt ends "
         "and branch points only), sparse_flop (sparse with Marconi's FLOP-aware eviction "
-        "instead of LRU)",
+        "instead of LRU), slots (what kvtier's engine does: --slot-ratio checkpoint slots "
+        "per block, passed-over checkpoints reclaimed first)",
+    )
+    p.add_argument(
+        "--slot-ratio",
+        type=float,
+        default=DEFAULT_SLOT_RATIO,
+        help="slots: checkpoint slots per block of the pool (kvtier serve --window-kv-ratio)",
+    )
+    p.add_argument(
+        "--slot-plain-lru",
+        action="store_true",
+        help="slots: reclaim slots least recently used first, without putting the "
+        "checkpoints a request only passed first in line (an ablation)",
     )
     p.add_argument(
         "--alpha",
@@ -882,6 +1083,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--alpha must be a number >= 0, got {args.alpha}")
         if args.window < 1:
             raise ConfigError(f"--window must be at least 1 item, got {args.window}")
+        if not 0 < args.slot_ratio <= 1:
+            raise ConfigError(f"--slot-ratio must be in (0, 1], got {args.slot_ratio}")
         memory = qwen3_next_memory()
         trace = load_trace(args.trace, limit=args.limit)
         if trace.format != "mooncake":
@@ -910,6 +1113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         alpha=args.alpha,
         window=args.window,
         progress=want_progress(args.progress),
+        slot_ratio=args.slot_ratio,
+        resume_points=not args.slot_plain_lru,
     )
     elapsed = time.perf_counter() - t0
     print()
@@ -935,6 +1140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(sparse_flop: Marconi-style utility over the LRU window)",
             "alpha": args.alpha,
             "window": args.window,
+            "slot_ratio": args.slot_ratio,
+            "slot_plain_lru": args.slot_plain_lru,
             "memory": fig,
             "results": [r.as_dict() for r in results],
             "seconds": elapsed,

@@ -70,7 +70,9 @@ def test_qwen3_next_byte_figures(memory: Any) -> None:
 
 def test_infinite_memory_orders_the_strategies(trace: Any, memory: Any) -> None:
     inf = hr.Budget("inf", None)
-    none, every, sparse, flop = (hr.replay(trace, memory, s, inf) for s in hr.STRATEGIES)
+    none, every, sparse, flop, slots = (hr.replay(trace, memory, s, inf) for s in hr.STRATEGIES)
+    # Unlimited slots keep every block's checkpoint, as every_block does.
+    assert slots.reused_blocks == every.reused_blocks
     assert none.reused_blocks == 0 and none.token_hit_ratio == 0.0
     # With nothing evicted, every cached prefix resumes under every_block: its
     # reuse is all the attention KV found, the same KV the others keep.
@@ -85,7 +87,7 @@ def test_infinite_memory_orders_the_strategies(trace: Any, memory: Any) -> None:
         "seconds": 0
     }
     assert 0 < every.saved_flops < every.prompt_flops
-    for r in (none, every, sparse, flop):
+    for r in (none, every, sparse, flop, slots):
         assert r.requests == 400
         assert r.prompt_blocks == sum(len(q.full_keys(512)) for q in trace.requests)
 
@@ -193,7 +195,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache: Any = None
 
     @initialize(
-        strategy=st.sampled_from(hr.STRATEGIES),
+        strategy=st.sampled_from([s for s in hr.STRATEGIES if s != "slots"]),
         budget=st.one_of(st.none(), st.integers(1, 40)),
         ckpt=st.integers(1, 8),
         alpha=st.sampled_from([0.0, 0.5, 3.0]),
@@ -248,3 +250,60 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+class SlotMachine(RuleBasedStateMachine):
+    """kvtier's checkpoint slots (``slots``) over the same tree of prefix-chained requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node_keys: dict[tuple[int, ...], int] = {}
+        self.cache: Any = None
+
+    @initialize(budget=st.one_of(st.none(), st.integers(4, 60)), ratio=st.sampled_from(
+        [0.05, 0.25, 0.5, 1.0]))  # fmt: skip
+    def setup(self, budget: int | None, ratio: float) -> None:
+        stats = hr.RunStats("slots", str(budget), budget, 4)
+        self.cache = hr.SlotCache(budget, 1, 4, ratio, stats)
+
+    @rule(path=_paths, last_partial=st.booleans())
+    def serve(self, path: list[int], last_partial: bool) -> None:
+        keys = [
+            self.node_keys.setdefault(tuple(path[:d]), len(self.node_keys))
+            for d in range(1, len(path) + 1)
+        ]
+        max_reuse = len(keys) if last_partial else len(keys) - 1
+        cache = self.cache
+        out = cache.serve(keys, max_reuse)
+        assert 0 <= out.reused <= min(out.kv_found, max_reuse)
+        assert out.kv_found <= out.stored <= len(keys)
+        # The checkpoint it resumed from (held), its prompt's end and the block after that.
+        roomy = cache.num_slots is None or cache.num_slots >= 3
+        if out.stored == len(keys) and max_reuse and roomy:
+            # The prompt's end is a likely resume point: served again at once, it
+            # resumes there (its checkpoint outlives the ones it passed).
+            again = cache.serve(keys, max_reuse)
+            assert again.reused == max_reuse
+
+    @invariant()
+    def books_balance(self) -> None:
+        if self.cache is not None:
+            self.cache.check()
+            assert self.cache.budget is None or self.cache.used <= self.cache.budget
+            assert self.cache.stats.cascade_drops == 0
+
+
+TestSlotMachine = SlotMachine.TestCase
+TestSlotMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_slots_with_resume_points_beat_plain_lru_slots(trace: Any, memory: Any) -> None:
+    """Reclaiming passed-over checkpoints first keeps the prompt ends and branch points."""
+    (budget,) = hr.parse_budgets("10000b", memory.block_kv_bytes(512))
+    slots = hr.replay(trace, memory, "slots", budget, check_every=50)
+    plain = hr.replay(trace, memory, "slots", budget, resume_points=False)
+    every = hr.replay(trace, memory, "every_block", budget)
+    sparse = hr.replay(trace, memory, "sparse", budget)
+    assert slots.reused_blocks > 2 * every.reused_blocks
+    assert slots.reused_blocks > 2 * plain.reused_blocks
+    assert slots.reused_blocks >= 0.9 * sparse.reused_blocks

@@ -340,7 +340,9 @@ def test_the_serve_flag_and_config_reach_the_engine(family: _Windowed) -> None:
     from kvtier.errors import ConfigError
 
     parser, _ = build_parser()
-    assert engine_config(parser.parse_args(["serve"])).cache.window_kv_ratio == 0.5
+    assert engine_config(parser.parse_args(["serve"])).cache.window_kv_ratio == "auto"
+    auto = engine_config(parser.parse_args(["serve", "--window-kv-ratio", "auto"]))
+    assert auto.cache.window_kv_ratio == "auto"
     args = parser.parse_args(["serve", "--window-kv-ratio", "0.25"])
     assert engine_config(args).cache.window_kv_ratio == 0.25
     off = engine_config(parser.parse_args(["serve", "--window-kv-ratio", "off"]))
@@ -357,16 +359,22 @@ def test_the_serve_flag_and_config_reach_the_engine(family: _Windowed) -> None:
     assert "sliding-window layers" in "\n".join(windowed.describe())
     # The same memory holds more blocks when sliding layers are kept per window.
     budget = 64 * whole.layout.bytes_per_block
+    sized = family.engine(num_blocks=None, kv_cache_bytes=budget, max_num_batched_tokens=16)
+    assert sized.storage.nbytes <= budget
     assert (
-        family.engine(num_blocks=None, kv_cache_bytes=budget).manager.num_blocks
+        sized.manager.num_blocks
         > TinyFamily.engine(
-            family, num_blocks=None, kv_cache_bytes=budget, window_kv_ratio=None
+            family, num_blocks=None, kv_cache_bytes=budget, window_kv_ratio=None,
+            max_num_batched_tokens=16,
         ).manager.num_blocks
-    )
+    )  # fmt: skip
+    # Memory too small for the slots running requests need is refused, saying what to do.
+    with pytest.raises(ConfigError, match="window slots"):
+        family.engine(num_blocks=None, kv_cache_bytes=budget // 8)
 
 
 def test_models_without_sliding_layers_keep_whole_blocks() -> None:
-    from kvtier.engine.windows import window_plan
+    from kvtier.engine.windows import AUTO_STATE_RATIO, AUTO_WINDOW_RATIO, window_plan
 
     def get(config: Any) -> Any:
         return lambda name: getattr(config, name, None)
@@ -377,11 +385,15 @@ def test_models_without_sliding_layers_keep_whole_blocks() -> None:
     assert window_plan(get(mistral), 0.5, max_model_len=32) is None  # hides nothing
     plan = window_plan(get(mistral), 0.5, max_model_len=4096)
     assert plan is not None and plan.window_layers == (0, 1) and plan.window == 32
+    auto = window_plan(get(mistral), "auto", max_model_len=4096)
+    assert auto is not None and auto.ratio == AUTO_WINDOW_RATIO
     # Linear-attention layers resume from the checkpoint one position back: a window of 2.
     types = ["linear_attention"] * 3 + ["full_attention"]
     qwen_next = transformers.Qwen3NextConfig(num_hidden_layers=4, layer_types=types)
     plan = window_plan(get(qwen_next), 0.5)
     assert plan is not None and plan.window == 2 and plan.window_layers == (0, 1, 2)
+    auto = window_plan(get(qwen_next), "auto")
+    assert auto is not None and auto.ratio == AUTO_STATE_RATIO
     # Falcon-H1 keeps attention and a state in every layer: its blocks stay whole.
     assert window_plan(get(transformers.FalconH1Config(num_hidden_layers=2)), 0.5) is None
 

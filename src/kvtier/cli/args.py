@@ -86,11 +86,16 @@ def float_in(
     return parse
 
 
-def window_ratio(text: str) -> float | None:
-    """``--window-kv-ratio``: a number in (0, 1], or ``off``."""
-    if text.strip().lower() == "off":
+def window_ratio(text: str) -> float | str | None:
+    """``--window-kv-ratio``: a number in (0, 1], ``auto`` or ``off``."""
+    word = text.strip().lower()
+    if word == "off":
         return None
-    return float_in("window slots per block ratio (or off)", 0.0, 1.0, open_low=True)(text)
+    if word == "auto":
+        return "auto"
+    return float_in("window slots per block ratio (or auto, off)", 0.0, 1.0, open_low=True)(
+        text
+    )
 
 
 def policy_name(text: str) -> str:

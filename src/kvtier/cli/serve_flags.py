@@ -164,13 +164,15 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--window-kv-ratio",
         type=arg(window_ratio, "ratio"),
-        default=0.5,
+        default="auto",
         metavar="R",
-        help="models with sliding-window layers (Gemma 3, Mistral): keep those layers' K/V "
-        "for R blocks per block of the pool, only where a window can still see it (never "
-        "fewer than the running requests' windows need), so the same --kv-cache-memory "
-        "holds more blocks; a cached prefix resumes only where its last window is kept. "
-        "off keeps every layer in every block (default 0.5)",
+        help="models with sliding-window layers (Gemma 3, Mistral) or linear-attention / "
+        "Mamba layers (Qwen3-Next, Bamba): keep those layers' share of a block (K/V, or the "
+        "state checkpoint) for R blocks per block of the pool, only where requests read or "
+        "resume (never fewer than the running requests need), so the same "
+        "--kv-cache-memory holds more blocks; a cached prefix resumes only where its last "
+        "window or checkpoint is kept. auto: 0.5 for sliding windows, 0.05 for "
+        "checkpoints; off keeps every layer in every block (default auto)",
     )
     serve.add_argument(
         "--num-blocks",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
@@ -40,20 +40,21 @@ class CacheConfig:
     #: How blocks are stored: ``auto`` (the model's dtype), ``float32``, ``bfloat16``,
     #: ``float16``, or quantized with per-head scales: ``int8``, ``fp8_e4m3``.
     kv_cache_dtype: str = "auto"
-    #: Models with sliding-window layers: slots for those layers' K/V per block of the
-    #: pool (``0 < ratio <= 1``; never fewer than running requests' windows need).
-    #: ``None`` keeps every layer in every block (:mod:`kvtier.engine.windows`).
-    window_kv_ratio: float | None = 0.5
+    #: Models with sliding-window or linear-attention / Mamba layers: slots for those
+    #: layers' share of a block, per block of the pool (``0 < ratio <= 1``; never fewer
+    #: than running requests need). ``"auto"``: 0.5 for sliding windows, 0.05 for state
+    #: checkpoints; ``None`` keeps every layer in every block (:mod:`kvtier.engine.windows`).
+    window_kv_ratio: float | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         r = self.window_kv_ratio
-        if r is not None and (
+        if r is not None and r != "auto" and (
             isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1
         ):
             raise ConfigError(
-                f"window_kv_ratio must be a number in (0, 1], or None to keep every layer "
-                f"in every block; got {r!r}"
+                f"window_kv_ratio must be a number in (0, 1], 'auto', or None to keep every "
+                f"layer in every block; got {r!r}"
             )
         _positive("kv_cache_bytes", self.kv_cache_bytes)
         if self.num_blocks is not None:

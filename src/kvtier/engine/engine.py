@@ -54,7 +54,6 @@ from kvtier.agents.attach import AgentSupport
 from kvtier.engine.config import (
     EngineConfig,
     check_min_request,
-    plan_cache,
 )
 from kvtier.engine.connector import KVConnector
 from kvtier.engine.hf_cache import layout_for_model
@@ -74,7 +73,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits
 from kvtier.engine.state_layers import check_exact_blocks
 from kvtier.engine.state_spec import state_spec
-from kvtier.engine.windows import window_plan
+from kvtier.engine.windows import plan_with_windows, window_plan
 from kvtier.errors import (
     BadRequestError,
     ConfigError,
@@ -177,18 +176,12 @@ class Engine:
             else None
         )
         wplan = self.window_plan
-        plan = plan_cache(
-            self.layout,
-            model_len,
-            num_blocks=config.cache.num_blocks,
-            kv_cache_bytes=config.cache.kv_cache_bytes,
-            max_model_len=config.scheduler.max_model_len,
-            block_bytes=None if wplan is None else wplan.block_bytes(self.layout),
+        # max_num_seqs left unset is sized here, from the cache the plan gives.
+        plan, scheduler_config, num_slots = plan_with_windows(
+            self.layout, model_len, config.cache, config.scheduler, str(self.device), wplan
         )
         num_blocks = plan.num_blocks
         max_model_len = plan.max_model_len
-        # max_num_seqs left unset is sized here, from the cache the plan gives.
-        scheduler_config = config.scheduler.resolve(plan, str(self.device))
         max_num_seqs = scheduler_config.max_num_seqs
         budget = scheduler_config.max_num_batched_tokens
         assert max_num_seqs is not None and budget is not None
@@ -208,12 +201,13 @@ class Engine:
                 self.layout, num_blocks, self.device, compute_dtype=param.dtype
             )
         else:
+            assert num_slots is not None
             self.storage = WindowedKVStorage(
                 self.layout,
                 num_blocks,
                 window_layers=wplan.window_layers,
                 window=wplan.window,
-                num_slots=wplan.num_slots(num_blocks, block_size, max_num_seqs, budget),
+                num_slots=num_slots,
                 device=self.device,
             )
             self.manager.set_resume_check(self.storage)

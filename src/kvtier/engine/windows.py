@@ -12,8 +12,10 @@ running requests resume from and for as many cached ones as the slots
 allow (the most recently used). :func:`window_plan` reads that from the
 config alone; :class:`WindowPlan` sizes the slots:
 
-- ``ratio`` slots per block of the pool (``CacheConfig.window_kv_ratio``),
-  which is what lets a cached prefix be resumed from many places;
+- ``ratio`` slots per block of the pool (``CacheConfig.window_kv_ratio``;
+  ``auto``: :data:`AUTO_WINDOW_RATIO` for sliding windows,
+  :data:`AUTO_STATE_RATIO` for state checkpoints), which is what lets a
+  cached prefix be resumed from many places;
 - never fewer than every running request's window and one step's new
   tokens need (:meth:`WindowPlan.min_slots`), so a running request never
   waits for a slot.
@@ -27,14 +29,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvtier.engine.attention_spec import attention_spec, chunked_layers, short_conv_layers
+from kvtier.engine.config import CacheConfig, CachePlan, SchedulerConfig, plan_cache
 from kvtier.engine.state_spec import state_spec
+from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout, cdiv
 
 #: What a linear-attention or Mamba layer reads of the past, as a window: the checkpoint
 #: in the block holding the position before its first new token.
 STATE_WINDOW = 2
+#: ``window_kv_ratio="auto"``: slots per block for sliding-window layers (a chat-length
+#: request's resume window is a good part of its blocks) and for state checkpoints (one
+#: checkpoint costs several blocks' attention K/V; on the Mooncake conversation trace with
+#: Qwen3-Next's sizes 0.05 reused the most of 0.02-0.5: ``bench/hybrid_replay.py``).
+AUTO_WINDOW_RATIO = 0.5
+AUTO_STATE_RATIO = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +87,9 @@ class WindowPlan:
 
 
 def window_plan(
-    get: Callable[[str], object], ratio: float | None, max_model_len: int | None = None
+    get: Callable[[str], object],
+    ratio: float | Literal["auto"] | None,
+    max_model_len: int | None = None,
 ) -> WindowPlan | None:
     """The plan for a config read through ``get``, or ``None`` to keep every layer per block.
 
@@ -96,11 +109,71 @@ def window_plan(
             return None  # attention and state share every layer (Falcon-H1)
         # A state layer resumes at ``p`` from the checkpoint in the block holding ``p - 1``:
         # a "window" of two positions.
-        return WindowPlan(STATE_WINDOW, state.layers, float(ratio))
+        r = AUTO_STATE_RATIO if ratio == "auto" else float(ratio)
+        return WindowPlan(STATE_WINDOW, state.layers, r)
     spec = attention_spec(get)
     window = spec.max_window
     if window is None:
         return None
     if max_model_len is not None and window >= max_model_len:
         return None
-    return WindowPlan(window, spec.sliding_layers, float(ratio))
+    r = AUTO_WINDOW_RATIO if ratio == "auto" else float(ratio)
+    return WindowPlan(window, spec.sliding_layers, r)
+
+
+def plan_with_windows(
+    layout: KVLayout,
+    model_positions: int,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    device: str,
+    plan: WindowPlan | None,
+) -> tuple[CachePlan, SchedulerConfig, int | None]:
+    """The cache plan, the resolved scheduler settings and the window slots (``None``: no
+    windowed storage) for ``layout``.
+
+    Blocks are what ``kv_cache_bytes`` holds at :meth:`WindowPlan.block_bytes` each;
+    when the slots' floor (what running requests need) takes more than the ratio's share,
+    the blocks shrink so that blocks and slots together stay within the memory.
+    """
+    cache_plan = plan_cache(
+        layout,
+        model_positions,
+        num_blocks=cache.num_blocks,
+        kv_cache_bytes=cache.kv_cache_bytes,
+        max_model_len=scheduler.max_model_len,
+        block_bytes=None if plan is None else plan.block_bytes(layout),
+    )
+    resolved = scheduler.resolve(cache_plan, device)
+    if plan is None:
+        return cache_plan, resolved, None
+    bs = layout.block_size
+
+    def slots_for(p: CachePlan, r: SchedulerConfig) -> int:
+        assert r.max_num_seqs is not None and r.max_num_batched_tokens is not None
+        return plan.num_slots(p.num_blocks, bs, r.max_num_seqs, r.max_num_batched_tokens)
+
+    slots = slots_for(cache_plan, resolved)
+    if cache.num_blocks is not None:
+        return cache_plan, resolved, slots
+    full, win = plan.full_bytes(layout), plan.window_bytes(layout)
+    budget = cache.kv_cache_bytes
+    if cache_plan.num_blocks * full + slots * win <= budget:
+        return cache_plan, resolved, slots
+    fit = (budget - slots * win) // full if full else 0
+    if fit < 1:
+        raise ConfigError(
+            f"--kv-cache-memory of {budget:,} bytes cannot hold the {slots} window slots "
+            f"({slots * win:,} bytes) that {resolved.max_num_seqs} running requests need "
+            "and blocks besides: raise --kv-cache-memory, or lower --max-num-seqs or "
+            "--max-num-batched-tokens"
+        )
+    cache_plan = plan_cache(
+        layout,
+        model_positions,
+        num_blocks=fit,
+        kv_cache_bytes=budget,
+        max_model_len=scheduler.max_model_len,
+    )
+    resolved = scheduler.resolve(cache_plan, device)
+    return cache_plan, resolved, slots_for(cache_plan, resolved)
