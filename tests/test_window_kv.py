@@ -394,6 +394,11 @@ def test_models_without_sliding_layers_keep_whole_blocks() -> None:
     assert plan is not None and plan.window == 2 and plan.window_layers == (0, 1, 2)
     auto = window_plan(get(qwen_next), "auto")
     assert auto is not None and auto.ratio == AUTO_STATE_RATIO
+    # LFM2's convolutions read their last conv_L_cache - 1 positions: a window of 3.
+    lfm2 = transformers.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention",
+                                   "conv"], conv_L_cache=3)  # fmt: skip
+    plan = window_plan(get(lfm2), "auto")
+    assert plan is not None and (plan.window, plan.window_layers) == (3, (0, 2))
     # Falcon-H1 keeps attention and a state in every layer: its blocks stay whole.
     assert window_plan(get(transformers.FalconH1Config(num_hidden_layers=2)), 0.5) is None
 
@@ -401,17 +406,25 @@ def test_models_without_sliding_layers_keep_whole_blocks() -> None:
 # -- linear-attention and Mamba layers: checkpoints only where requests resume ------------
 
 #: Hybrids whose state layers are held by window slot: a delta-net (Qwen3-Next), Mamba-2
-#: (Bamba) and Mamba-1 run a token at a time from a state (Jamba).
-HYBRIDS = ("qwen3_next", "bamba", "jamba")
+#: (Bamba) and Mamba-1 run a token at a time from a state (Jamba); and LFM2, whose short
+#: convolutions read their last two positions.
+HYBRIDS = ("qwen3_next", "bamba", "jamba", "lfm2")
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)
 def hybrid(request: pytest.FixtureRequest) -> _Windowed:
-    from test_state_layers import FAMILIES
-
-    model_class, config = FAMILIES[request.param]
     tok = tiny_tokenizer()
-    return _Windowed(model_class, config(tok), tok, f"tiny-{request.param}", BS, 64)
+    if request.param == "lfm2":
+        from test_hybrid import _config
+
+        model_class = transformers.Lfm2ForCausalLM
+        config = _config(tok, max_position_embeddings=4096)
+    else:
+        from test_state_layers import FAMILIES
+
+        model_class, make = FAMILIES[request.param]
+        config = make(tok)
+    return _Windowed(model_class, config, tok, f"tiny-{request.param}", BS, 64)
 
 
 def test_a_hybrid_keeps_checkpoints_for_its_window_only(hybrid: _Windowed) -> None:
@@ -423,7 +436,7 @@ def test_a_hybrid_keeps_checkpoints_for_its_window_only(hybrid: _Windowed) -> No
     prompt = seeded_prompt(5, 45)
     got, most = _steps_holding(engine, prompt, 12)
     assert got == hybrid.hf_greedy(prompt, 12)
-    # The checkpoint it resumes from and the blocks of one step's 8 tokens.
+    # The checkpoint (or convolution inputs) it resumes from and one step's 8 tokens.
     assert most <= 1 + cdiv(8, BS) + 1
     assert storage.slab.stats().reclaimed > 0
     again, warm = _run(engine, prompt, 4, "again")  # the prompt's end was kept

@@ -69,7 +69,9 @@ class _ConvWindow:
             base = len(slots) - len(own) - missing
             starts.extend(range(base, base + s.num_new))
         device = meta.storage.device
-        self.ext_rows = meta.storage.slot_rows(torch.tensor(slots, dtype=torch.int64))
+        # Windowed storage keeps convolution layers by window slot (the rows of a plain
+        # storage otherwise).
+        self.ext_rows = meta.storage.window_rows(slots)
         self.ext_valid = torch.tensor(valid, dtype=torch.bool, device=device)
         self.first = torch.tensor(starts, dtype=torch.int64, device=device)
 
@@ -147,7 +149,7 @@ class _BlockShortConv(BlockBackedLayer):
         kernel = int(self.conv_kernel_size)  # type: ignore[attr-defined]
         c, bx = self._project(hidden_states)
         k, v = pack(storage, bx)
-        storage.write_rows(layer, meta.new_rows, k, v)
+        storage.write_rows(layer, meta.new_window_rows, k, v)
         w = self._kvtier_plan.for_pass(meta, kernel)
         k, v = storage.read_rows(layer, w.ext_rows)
         ext = unpack(k, v, bx.shape[-1]).masked_fill(~w.ext_valid[:, None], 0)

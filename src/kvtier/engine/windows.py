@@ -1,11 +1,11 @@
 """Whether an engine keeps some layers' share of blocks apart, and how many slots it gives them.
 
-Two kinds of layer need their share of a block only near where a request
+Three kinds of layer need their share of a block only near where a request
 reads: a sliding-window layer (Gemma 3, Mistral, Qwen2/Qwen3 with
-``use_sliding_window``) the last window of positions, and a
-linear-attention or Mamba layer (Qwen3-Next, Qwen3.5, Bamba, Granite 4,
-Nemotron-H, Jamba) the checkpoint of its state at the block before its
-first new token. Such a model is served from
+``use_sliding_window``) the last window of positions, a short convolution
+(LFM2) its last ``conv_L_cache - 1`` positions, and a linear-attention or
+Mamba layer (Qwen3-Next, Qwen3.5, Bamba, Granite 4, Nemotron-H, Jamba) the
+checkpoint of its state at the block before its first new token. Such a model is served from
 :class:`~kvtier.storage.windowed.WindowedKVStorage`: the other layers per
 block, these per window slot, so a checkpoint is kept only for the blocks
 running requests resume from and for as many cached ones as the slots
@@ -14,7 +14,7 @@ config alone; :class:`WindowPlan` sizes the slots:
 
 - ``ratio`` slots per block of the pool (``CacheConfig.window_kv_ratio``;
   ``auto``: :data:`AUTO_WINDOW_RATIO` for sliding windows,
-  :data:`AUTO_STATE_RATIO` for state checkpoints), which is what lets a
+  :data:`AUTO_STATE_RATIO` for state checkpoints and convolutions), which is what lets a
   cached prefix be resumed from many places;
 - never fewer than every running request's window and one step's new
   tokens need (:meth:`WindowPlan.min_slots`), so a running request never
@@ -46,6 +46,8 @@ STATE_WINDOW = 2
 #: Qwen3-Next's sizes 0.05 reused the most of 0.02-0.5: ``bench/hybrid_replay.py``).
 AUTO_WINDOW_RATIO = 0.5
 AUTO_STATE_RATIO = 0.05
+#: LFM2's ``conv_L_cache`` when a config leaves it out (transformers' default).
+DEFAULT_CONV_TAPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +103,16 @@ def window_plan(
     """
     if ratio is None:
         return None
-    if get("kv_lora_rank") is not None or short_conv_layers(get) or chunked_layers(get)[0]:
+    if get("kv_lora_rank") is not None or chunked_layers(get)[0]:
         return None
+    conv = short_conv_layers(get)
+    if conv:
+        # A short convolution of L taps reads its new tokens' L - 1 positions before:
+        # a window of L positions, resumed from one block (LFM2).
+        kernel = get("conv_L_cache")
+        taps = kernel if isinstance(kernel, int) and kernel > 0 else DEFAULT_CONV_TAPS
+        r = AUTO_STATE_RATIO if ratio == "auto" else float(ratio)
+        return WindowPlan(taps, conv, r)
     state = state_spec(get)
     if state is not None:
         if state.beside_attention:

@@ -284,7 +284,7 @@ class KVBlockStorage:
 
     def window_rows(self, slots: Sequence[int]) -> torch.Tensor:
         """Rows of ``slots`` for layers held apart by block windows: here, :meth:`slot_rows`."""
-        return self.slot_rows(list(slots))
+        return self.slot_rows(torch.tensor(list(slots), dtype=torch.int64))
 
     def __repr__(self) -> str:
         return (
