@@ -399,6 +399,11 @@ def test_models_without_sliding_layers_keep_whole_blocks() -> None:
                                    "conv"], conv_L_cache=3)  # fmt: skip
     plan = window_plan(get(lfm2), "auto")
     assert plan is not None and (plan.window, plan.window_layers) == (3, (0, 2))
+    # Llama 4's chunked layers read their own chunk; a chunk past every request hides nothing.
+    llama4 = transformers.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=64)
+    plan = window_plan(get(llama4), "auto", max_model_len=4096)
+    assert plan is not None and plan.chunk == 64 and plan.window_layers == (0, 1, 2)
+    assert window_plan(get(llama4), "auto", max_model_len=64) is None
     # Falcon-H1 keeps attention and a state in every layer: its blocks stay whole.
     assert window_plan(get(transformers.FalconH1Config(num_hidden_layers=2)), 0.5) is None
 
@@ -470,3 +475,44 @@ def test_any_mix_of_hybrid_requests(
     hybrid: _Windowed, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
     check_request_mix(hybrid, lengths, shared, num_blocks, budget)
+
+
+# -- chunked local attention: each query reads its own chunk ------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama4() -> _Windowed:
+    from test_chunked_attention import CHUNK, _config
+
+    assert CHUNK == WINDOW  # the bounds below count a chunk as one window of blocks
+    tok = tiny_tokenizer()
+    return _Windowed(transformers.Llama4ForCausalLM, _config(tok), tok, "tiny-llama4", BS, 64)
+
+
+def test_chunked_layers_hold_their_chunk_only(llama4: _Windowed) -> None:
+    engine = llama4.engine(max_num_seqs=2, max_num_batched_tokens=8)
+    assert engine.storage.chunk == WINDOW
+    prompt = seeded_prompt(7, 50)
+    got, most = _steps_holding(engine, prompt, 20)
+    assert got == llama4.hf_greedy(prompt, 20)
+    # The blocks of its chunk before the step's first token, and the step's own.
+    assert most <= cdiv(WINDOW, BS) + cdiv(8, BS)
+    assert engine.storage.slab.stats().reclaimed > 0
+    again, warm = _run(engine, prompt, 4, "again")
+    assert again == llama4.hf_greedy(prompt, 4)
+    assert warm.metrics.cached_tokens == 48
+    engine.storage.slab.check()
+
+
+def test_chunked_batches_preemption_tiers_and_moves(llama4: _Windowed) -> None:
+    check_chunked_batches_and_preemption(llama4, 12)
+    check_prefix_hit_and_host_tier(llama4)
+    check_moved_request(llama4, 5)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**request_mixes())
+def test_any_mix_of_chunked_requests(
+    llama4: _Windowed, lengths: list[int], shared: int, num_blocks: int, budget: int
+) -> None:
+    check_request_mix(llama4, lengths, shared, num_blocks, budget)

@@ -208,6 +208,7 @@ class Engine:
                 window_layers=wplan.window_layers,
                 window=wplan.window,
                 num_slots=num_slots,
+                chunk=wplan.chunk,
                 device=self.device,
             )
             self.manager.set_resume_check(self.storage)

@@ -43,7 +43,7 @@ from kvtier.manager import KVCacheManager, PrefixMatch
 from kvtier.offload.chain import TierChain
 from kvtier.pressure.controller import PressureController
 from kvtier.storage import KVBlockStorage
-from kvtier.storage.window_slab import window_blocks
+from kvtier.storage.windowed import WindowedKVStorage
 
 if TYPE_CHECKING:
     from kvtier.agents.attach import AgentSupport
@@ -115,8 +115,8 @@ class Scheduler:
             self.finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
         out.batch = self._batch(outs)
-        if self.storage.layout_kind == "split":
-            self._hold_windows(out.batch)
+        if isinstance(self.storage, WindowedKVStorage):
+            self._hold_windows(self.storage, out.batch)
         return out
 
     def _mark_window(self, seq: Seq, position: int) -> None:
@@ -126,15 +126,14 @@ class Scheduler:
         Called where ``seq`` resumed from a cached prefix (a branch point), where its
         prompt ends (the same prompt again) and where it stops (its next turn)."""
         storage = self.storage
-        if storage.layout_kind != "split" or seq.table is None:
+        if not isinstance(storage, WindowedKVStorage) or seq.table is None:
             return
-        bs = storage.layout.block_size
-        end = position // bs
+        end = position // storage.layout.block_size
         if end:
-            first = window_blocks(end * bs, storage.window, bs)  # type: ignore[attr-defined]
-            storage.slab.mark_valuable(seq.table.blocks[first:end])  # type: ignore[attr-defined]
+            first = storage.first_read_block(end * storage.layout.block_size)
+            storage.slab.mark_valuable(seq.table.blocks[first:end])
 
-    def _hold_windows(self, batch: list[tuple[Seq, int]]) -> None:
+    def _hold_windows(self, storage: WindowedKVStorage, batch: list[tuple[Seq, int]]) -> None:
         """Hold the window slots running sequences read, and give this pass's writes slots.
 
         Windowed storage (:mod:`kvtier.storage.windowed`) keeps a block's
@@ -148,9 +147,7 @@ class Scheduler:
         # Queued evictions leave first: a block handed a slot below may be one of them,
         # and its demotion must export the K/V it had, not the new slot's.
         self.connector.demote_pending()
-        storage = self.storage
-        slab = storage.slab  # type: ignore[attr-defined]
-        window: int = storage.window  # type: ignore[attr-defined]
+        slab = storage.slab
         bs = storage.layout.block_size
         new = {id(seq): n for seq, n in batch}
         hold: list[int] = []
@@ -160,7 +157,7 @@ class Scheduler:
                 continue
             blocks = seq.table.blocks
             start = seq.computed
-            reads = blocks[window_blocks(start, window, bs) : -(-start // bs)]
+            reads = blocks[storage.first_read_block(start) : -(-start // bs)]
             if id(seq) in new and not all(slab.has(b) for b in reads):
                 lost.append(seq)
                 continue

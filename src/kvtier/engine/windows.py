@@ -57,6 +57,8 @@ class WindowPlan:
     window: int
     window_layers: tuple[int, ...]
     ratio: float
+    #: Chunked local layers (Llama 4): a query reads its own chunk of this many positions.
+    chunk: int = 0
 
     def full_bytes(self, layout: KVLayout) -> int:
         """One block's full layers, in bytes."""
@@ -73,7 +75,8 @@ class WindowPlan:
 
     def min_slots(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """Slots that every running request's window plus one step's new tokens can take."""
-        return max_num_seqs * (cdiv(self.window, block_size) + 2) + cdiv(
+        reach = self.chunk or self.window
+        return max_num_seqs * (cdiv(reach, block_size) + 2) + cdiv(
             max_num_batched_tokens, block_size
         )
 
@@ -103,8 +106,15 @@ def window_plan(
     """
     if ratio is None:
         return None
-    if get("kv_lora_rank") is not None or chunked_layers(get)[0]:
+    if get("kv_lora_rank") is not None:
         return None
+    chunked, chunk = chunked_layers(get)
+    if chunked:
+        # Llama 4: a chunked layer's query reads from the start of its own chunk.
+        if chunk is None or (max_model_len is not None and chunk >= max_model_len):
+            return None  # one chunk holds every request: nothing is ever dropped
+        r = AUTO_WINDOW_RATIO if ratio == "auto" else float(ratio)
+        return WindowPlan(chunk, chunked, r, chunk)
     conv = short_conv_layers(get)
     if conv:
         # A short convolution of L taps reads its new tokens' L - 1 positions before:

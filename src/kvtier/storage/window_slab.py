@@ -59,6 +59,14 @@ def window_blocks(position: int, window: int, block_size: int) -> int:
     return max(0, position - window + 1) // block_size
 
 
+def first_read_block(position: int, block_size: int, window: int, chunk: int = 0) -> int:
+    """The first block a query at ``position`` reads: from its window's start, or, in a
+    chunked local layer (``chunk`` > 0, Llama 4), from the start of its own chunk."""
+    if chunk:
+        return position // chunk * chunk // block_size
+    return max(0, position - window + 1) // block_size
+
+
 class WindowSlab:
     """Slots for the sliding layers' share of ``num_blocks`` blocks (see the module docstring)."""
 
@@ -96,11 +104,13 @@ class WindowSlab:
             )
         return out
 
-    def resumable(self, blocks: Sequence[int], window: int, block_size: int) -> int:
+    def resumable(
+        self, blocks: Sequence[int], window: int, block_size: int, chunk: int = 0
+    ) -> int:
         """The most leading ``blocks`` a request may resume after.
 
         Resuming after ``k`` blocks means a query at position ``k * block_size``:
-        its sliding layers read the blocks from :func:`window_blocks` to
+        its sliding layers read the blocks from :func:`first_read_block` to
         ``k - 1``, and each of those must keep its slot.
         """
         slot_of = self.slot_of
@@ -111,7 +121,7 @@ class WindowSlab:
             run = run + 1 if slot_of[b] >= 0 else 0
             runs.append(run)
         for k in range(len(blocks), 0, -1):
-            if runs[k] >= k - window_blocks(k * block_size, window, block_size):
+            if runs[k] >= k - first_read_block(k * block_size, block_size, window, chunk):
                 return k
         return 0
 

@@ -33,7 +33,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.storage.device import Indices, KVBlockStorage, torch_dtype
-from kvtier.storage.window_slab import WindowDroppedError, WindowSlab
+from kvtier.storage.window_slab import WindowDroppedError, WindowSlab, first_read_block
 
 
 class WindowedKVStorage(KVBlockStorage):
@@ -52,6 +52,7 @@ class WindowedKVStorage(KVBlockStorage):
         window_layers: Sequence[int],
         window: int,
         num_slots: int,
+        chunk: int = 0,
         device: str | torch.device = "cpu",
         validate_indices: bool = True,
     ) -> None:
@@ -73,6 +74,9 @@ class WindowedKVStorage(KVBlockStorage):
         full = [i for i in range(L) if i not in set(wl)]
         self.slab = WindowSlab(num_blocks, min(num_slots, num_blocks))
         self.window = window
+        #: Chunked local layers (Llama 4): each query reads its own chunk of this many
+        #: positions (0: the layers slide by ``window``).
+        self.chunk = chunk
         self.window_layer_ids: tuple[int, ...] = tuple(wl)
         self.full_layer_ids: tuple[int, ...] = tuple(full)
         # Per layer: (the part holding it, its index there).
@@ -156,7 +160,8 @@ class WindowedKVStorage(KVBlockStorage):
     def __repr__(self) -> str:
         return (
             f"WindowedKVStorage({self.layout.canonical()}, num_blocks={self.num_blocks}, "
-            f"window={self.window}, window_layers={len(self.window_layer_ids)}, "
+            f"window={self.window}, chunk={self.chunk}, "
+            f"window_layers={len(self.window_layer_ids)}, "
             f"slots={self.slab.num_slots}, device={self.device}, nbytes={self.nbytes:,})"
         )
 
@@ -226,7 +231,11 @@ class WindowedKVStorage(KVBlockStorage):
     # -- whole blocks ----------------------------------------------------------------
     def resumable(self, block_ids: list[int]) -> int:
         """How many leading ``block_ids`` (a cached prefix) a request may resume after."""
-        return self.slab.resumable(block_ids, self.window, self.layout.block_size)
+        return self.slab.resumable(block_ids, self.window, self.layout.block_size, self.chunk)
+
+    def first_read_block(self, position: int) -> int:
+        """The first block the held layers of a query at ``position`` read."""
+        return first_read_block(position, self.layout.block_size, self.window, self.chunk)
 
     def exportable(self, block_ids: Sequence[int]) -> list[bool]:
         """Per block: whether it still keeps its sliding K/V (so :meth:`export_blocks` works)."""
