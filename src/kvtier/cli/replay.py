@@ -257,7 +257,13 @@ def memory_capacities(
     """Capacities in blocks: what ``sizes`` bytes of KV memory hold in each dtype.
 
     Blocks take ``model``'s KV geometry (the bundled SmolLM2 by default) at
-    ``block_size`` tokens; ``auto`` is float32, the engine's default.
+    ``block_size`` tokens; ``auto`` is float32, the engine's default. A model
+    whose sliding-window, chunked, convolution or linear-attention layers the
+    engine keeps in window slots (``kvtier serve --window-kv-ratio auto``) is
+    sized as the engine sizes it: a block costs its other layers plus its
+    share of the slots. The replay then counts every cached block as a place
+    to resume, where the engine resumes only where a window is kept, so its
+    hit ratios for such models are an upper bound.
     """
     from kvtier.engine.model import probe_model
     from kvtier.layout import cache_layout
@@ -275,13 +281,18 @@ def memory_capacities(
     for size in sizes:
         for dtype in dtypes:
             layout = cache_layout(base, dtype)
-            blocks = size // layout.bytes_per_block
+            windows = info.windows if layout.dtype == base.dtype else None
+            cost = layout.bytes_per_block if windows is None else windows.block_bytes(layout)
+            blocks = size // cost
             if blocks < 1:
                 raise ConfigError(
                     f"--kv-cache-memory {size:,} bytes hold no {dtype} block of {block_size} "
                     f"tokens of {info.model_id} ({layout.bytes_per_block:,} bytes): give more"
                 )
-            out.append(Capacity(f"{_size_text(size)} {dtype}", "blocks", blocks))
+            text = f"{_size_text(size)} {dtype}"
+            if windows is not None:
+                text += f" (window slots {windows.ratio:g} per block)"
+            out.append(Capacity(text, "blocks", blocks))
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from kvtier.engine.attention_spec import short_conv_layers
 from kvtier.engine.state_spec import StateSpec, slot_width, state_spec
 from kvtier.engine.support import check_supported, check_wrapper
+from kvtier.engine.windows import WindowPlan, window_plan
 from kvtier.errors import ConfigError
 from kvtier.layout import DTYPE_BYTES, KVLayout
 
@@ -73,6 +74,9 @@ class ModelInfo:
     chat_template: str | None
     #: A hybrid model's per-layer recurrent state (``None``: every layer keeps K/V per token).
     state: StateSpec | None = None
+    #: Layers kept in window slots (``window_kv_ratio="auto"``; ``None``: every layer in
+    #: every block), as the engine would keep them (:mod:`kvtier.engine.windows`).
+    windows: WindowPlan | None = None
 
     def layout(self, block_size: int, dtype: str) -> KVLayout:
         head_dim = self.head_dim
@@ -209,6 +213,7 @@ def probe_model(
         vocab if isinstance(vocab, int) else None,
         chat,
         state_spec(get),
+        window_plan(get, "auto", positions if isinstance(positions, int) else None),
     )
 
 

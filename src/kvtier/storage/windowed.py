@@ -1,4 +1,11 @@
-"""KV storage for models with sliding-window layers: their K/V kept only where it is needed.
+"""KV storage that keeps some layers' share of a block only where requests read or resume.
+
+The same storage serves every layer group that reads only a bounded stretch
+of the past: sliding-window layers (their window), Llama 4's chunked local
+layers (their chunk), LFM2's short convolutions (their last few inputs) and
+linear-attention / Mamba layers (the state checkpoint before the first new
+token); :mod:`kvtier.engine.windows` says which, and how far back they read.
+Below, "sliding layers" stands for any of them.
 
 :class:`WindowedKVStorage` splits a block's payload by layer group. The full
 layers' K/V sit in one tensor indexed by block id, as in
