@@ -648,8 +648,8 @@ class SlotCache:
     prompt ends, which go last. A request resumes at the deepest block of
     its cached prefix whose checkpoint is still kept. Blocks are evicted
     LRU, tails first, as in :class:`HybridPrefixCache`; a block's slot is
-    freed with it (the engine leaves it to be reclaimed in turn, so this is
-    slightly in kvtier's favour).
+    freed with it (the engine puts it first in line to be reclaimed, which
+    comes to the same once another block needs a slot).
     """
 
     budget: int | None

@@ -92,6 +92,15 @@ class SlabMachine(RuleBasedStateMachine):
         else:
             self.idle.append(block)
 
+    @rule(blocks=st.lists(st.integers(0, BLOCKS - 1), max_size=3, unique=True))
+    def forget(self, blocks: list[int]) -> None:
+        self.slab.forget(blocks)
+        for b in blocks:
+            if b in self.idle:  # an evicted block's idle slot: first to be reclaimed
+                self.idle.remove(b)
+                self.idle.insert(0, b)
+                self.valuable.discard(b)
+
     @rule(block=st.integers(0, BLOCKS - 1))
     def drop(self, block: int) -> None:
         self.slab.drop(block)

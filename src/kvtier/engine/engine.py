@@ -212,6 +212,7 @@ class Engine:
                 device=self.device,
             )
             self.manager.set_resume_check(self.storage)
+            self.manager.add_evict_listener(self.storage.on_evicted)
         built = [
             spec.build(self.storage.block_shape, self.storage.dtype, device=self.device)
             for spec in config.tiers

@@ -159,6 +159,20 @@ class WindowSlab:
         slot_of = self.slot_of
         self._valuable.update(s for s in (slot_of[b] for b in blocks) if s >= 0)
 
+    def forget(self, blocks: Iterable[int]) -> None:
+        """``blocks`` left the prefix cache: their idle slots go first in line to be reclaimed.
+
+        The slots keep their data until then, so a block still being demoted to a
+        tier, or handed straight to a request that writes it again, loses nothing.
+        """
+        slot_of = self.slot_of
+        idle = self._idle
+        for b in blocks:
+            s = slot_of[b]
+            if s >= 0 and s not in self._held:
+                self._valuable.discard(s)
+                idle.move_to_end(s, last=False)
+
     def is_valuable(self, block: int) -> bool:
         s = self.slot_of[block]
         return s >= 0 and s in self._valuable

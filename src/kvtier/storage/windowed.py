@@ -240,6 +240,10 @@ class WindowedKVStorage(KVBlockStorage):
         """How many leading ``block_ids`` (a cached prefix) a request may resume after."""
         return self.slab.resumable(block_ids, self.window, self.layout.block_size, self.chunk)
 
+    def on_evicted(self, keys: Sequence[int], blocks: Sequence[int]) -> None:
+        """Evict listener of the block pool: evicted blocks' slots are reclaimed first."""
+        self.slab.forget(blocks)
+
     def first_read_block(self, position: int) -> int:
         """The first block the held layers of a query at ``position`` read."""
         return first_read_block(position, self.layout.block_size, self.window, self.chunk)
