@@ -516,3 +516,20 @@ def test_any_mix_of_chunked_requests(
     llama4: _Windowed, lengths: list[int], shared: int, num_blocks: int, budget: int
 ) -> None:
     check_request_mix(llama4, lengths, shared, num_blocks, budget)
+
+
+def test_window_slots_are_in_the_metrics(family: _Windowed) -> None:
+    from kvtier.server.metrics import metric_families, render, snapshot_engine
+
+    engine = family.engine(max_num_seqs=2, max_num_batched_tokens=8)
+    prompt = seeded_prompt(8, 41)
+    assert _run(engine, prompt, 6, "m")[0] == family.hf_greedy(prompt, 6)
+    snap = snapshot_engine(engine)
+    assert snap.window is not None and snap.window.reclaimed > 0
+    text = render(metric_families(snap))
+    slab = engine.storage.slab.stats()
+    assert f"kvtier_window_slots {float(slab.num_slots)}" in text
+    assert f"kvtier_window_slots_reclaimed_total {float(slab.reclaimed)}" in text
+    assert "kvtier_window_recomputes_total 0.0" in text
+    plain = TinyFamily.engine(family, window_kv_ratio=None)
+    assert "kvtier_window_slots" not in render(metric_families(snapshot_engine(plain)))

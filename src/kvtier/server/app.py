@@ -557,6 +557,9 @@ def create_app(
                 "max_num_seqs": engine.max_num_seqs,
                 "prefix_caching": engine.prefix_caching,
             },
+            "window_slots": None
+            if snap.window is None
+            else {**dataclasses.asdict(snap.window), "recomputes": snap.window_recomputes},
             "tiers": snap.tiers,
             "sessions": sessions,
             "pressure": None if snap.pressure is None else snap.pressure.as_dict(),

@@ -41,6 +41,8 @@ from kvtier.manager import CacheStats
 from kvtier.obs.metrics import Histogram
 from kvtier.pressure.controller import PressureStats
 from kvtier.pressure.ladder import Mode
+from kvtier.storage.window_slab import WindowSlabStats
+from kvtier.storage.windowed import WindowedKVStorage
 
 #: Content type of the Prometheus text exposition format, what a scrape without
 #: an ``Accept`` header for OpenMetrics gets.
@@ -77,6 +79,10 @@ class EngineSnapshot:
     encoder_cache: dict[str, Any] | None = None
     #: Tokens a KV block holds (0: unknown).
     block_size: int = 0
+    #: Window slots of windowed storage (``None``: every layer in every block).
+    window: WindowSlabStats | None = None
+    #: Requests preempted to recompute because a window slot they read was reclaimed.
+    window_recomputes: int = 0
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -104,6 +110,10 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
             None if engine.encoder_cache is None else engine.encoder_cache.stats().as_dict()
         ),
         block_size=engine.layout.block_size,
+        window=engine.storage.slab.stats()
+        if isinstance(engine.storage, WindowedKVStorage)
+        else None,
+        window_recomputes=c.window_recomputes,
     )
 
 
@@ -237,10 +247,40 @@ def metric_families(snap: EngineSnapshot) -> list[Metric]:
         families.append(
             _gauge("kvtier_kv_block_size_tokens", "Tokens a KV block holds.", snap.block_size)
         )
+    families += window_families(snap.window, snap.window_recomputes)
     families += tier_families(snap.tiers)
     families += pressure_families(snap.pressure, snap.stats.pressure_evictions)
     families += encoder_cache_families(snap.encoder_cache)
     return families
+
+
+def window_families(window: WindowSlabStats | None, recomputes: int) -> list[Metric]:
+    """Windowed storage's slots: how many, in use, held by running requests, reclaimed."""
+    if window is None:
+        return []
+    return [
+        _gauge(
+            "kvtier_window_slots",
+            "Window slots for the layers kept only where requests read or resume.",
+            window.num_slots,
+        ),
+        _gauge("kvtier_window_slots_used", "Window slots holding a block's data.", window.used),
+        _gauge(
+            "kvtier_window_slots_held",
+            "Window slots running requests read or write this step.",
+            window.held,
+        ),
+        _counter(
+            "kvtier_window_slots_reclaimed_total",
+            "Window slots taken from one block for another.",
+            window.reclaimed,
+        ),
+        _counter(
+            "kvtier_window_recomputes_total",
+            "Requests preempted to recompute because a window slot they read was reclaimed.",
+            recomputes,
+        ),
+    ]
 
 
 #: Per-modality encoder-cache counters: (stats key, metric suffix, help).
