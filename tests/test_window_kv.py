@@ -158,11 +158,15 @@ def test_a_block_without_its_window_is_not_exported() -> None:
 
 
 def test_windowed_storage_is_refused_for_a_kvtier_cache() -> None:
+    from kvtier.engine import KvTierCache
     from kvtier.errors import ConfigError
+    from kvtier.manager import KVCacheManager
 
     split = WindowedKVStorage(_layout(), 8, window_layers=[0], window=8, num_slots=4)
     with pytest.raises(ConfigError, match="every layer in every block"):
         split.write(0, [0], torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(ConfigError, match="every layer in every block"):
+        KvTierCache(split, KVCacheManager(8, BS), "r", [1, 2, 3])
 
 
 # -- the engine ---------------------------------------------------------------------------

@@ -92,6 +92,14 @@ class SlabMachine(RuleBasedStateMachine):
         else:
             self.idle.append(block)
 
+    @rule(blocks=st.lists(st.integers(0, BLOCKS - 1), max_size=3))
+    def pin(self, blocks: list[int]) -> None:
+        self.slab.pin(blocks)
+        for b in blocks:
+            if b in self.owner and b not in self.held:
+                self.idle.remove(b)
+                self.held.add(b)
+
     @rule(blocks=st.lists(st.integers(0, BLOCKS - 1), max_size=3, unique=True))
     def forget(self, blocks: list[int]) -> None:
         self.slab.forget(blocks)

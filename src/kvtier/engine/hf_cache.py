@@ -183,6 +183,11 @@ class KvTierCache(Cache):
                 f"storage holds {storage.num_blocks} blocks but the manager hands out "
                 f"{manager.num_blocks}: size them alike"
             )
+        if storage.layout_kind == "split":
+            raise ConfigError(
+                "a KvTierCache needs storage that keeps every layer in every block "
+                "(make_storage); windowed storage is the batched engine's"
+            )
         ids = _as_ids(prompt_ids, "prompt_ids")
         if tiers is not None and (
             tiers.storage is not storage or tiers.device_manager is not manager

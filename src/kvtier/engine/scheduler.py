@@ -119,19 +119,24 @@ class Scheduler:
             self._hold_windows(self.storage, out.batch)
         return out
 
-    def _mark_window(self, seq: Seq, position: int) -> None:
+    def _mark_window(self, seq: Seq, position: int, *, pin: bool = False) -> None:
         """Windowed storage: the window a request resuming at the last block boundary at or
         before ``position`` of ``seq`` reads is a likely resume point, kept longest when idle.
 
         Called where ``seq`` resumed from a cached prefix (a branch point), where its
-        prompt ends (the same prompt again) and where it stops (its next turn)."""
+        prompt ends (the same prompt again) and where it stops (its next turn). ``pin``
+        also holds that window until the step's :meth:`_hold_windows`, so nothing this
+        step imports or copies takes it before the sequence's first pass reads it."""
         storage = self.storage
         if not isinstance(storage, WindowedKVStorage) or seq.table is None:
             return
         end = position // storage.layout.block_size
         if end:
             first = storage.first_read_block(end * storage.layout.block_size)
-            storage.slab.mark_valuable(seq.table.blocks[first:end])
+            blocks = seq.table.blocks[first:end]
+            storage.slab.mark_valuable(blocks)
+            if pin:
+                storage.slab.pin(blocks)
 
     def _hold_windows(self, storage: WindowedKVStorage, batch: list[tuple[Seq, int]]) -> None:
         """Hold the window slots running sequences read, and give this pass's writes slots.
@@ -303,7 +308,8 @@ class Scheduler:
         seq.table = alloc.block_table
         seq.known = upto
         seq.computed = alloc.num_cached_tokens
-        self._mark_window(seq, seq.computed)  # a prefix it resumes from is a branch point
+        # A prefix it resumes from is a branch point; its window is held from now on.
+        self._mark_window(seq, seq.computed, pin=True)
         seq.admit_len = n
         seq.admissions += 1
         m = seq.metrics

@@ -154,6 +154,15 @@ class WindowSlab:
             idle.pop(s, None)
         self._held = new
 
+    def pin(self, blocks: Iterable[int]) -> None:
+        """Hold the slots of ``blocks`` (those that have one) as well, until the next
+        :meth:`hold`: a prefix a request was just admitted on, before its first step."""
+        slot_of = self.slot_of
+        for s in (slot_of[b] for b in blocks):
+            if s >= 0 and s not in self._held:
+                self._idle.pop(s, None)
+                self._held.add(s)
+
     def mark_valuable(self, blocks: Iterable[int]) -> None:
         """Flag the slots of ``blocks`` (those that have one) as likely resume points."""
         slot_of = self.slot_of
