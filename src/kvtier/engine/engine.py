@@ -544,17 +544,19 @@ class Engine:
         return self.queues.has_unfinished()
 
     def background_pending(self) -> bool:
-        """Whether an idle engine still has work to poll: prefetches, or tier stores they wait on.
+        """Whether an idle engine still has work to poll: tier stores in flight, or prefetches.
 
         Between an agent's steps no request may be running; the blocks the next
         agent needs can still be on their way down to a tier, and a prefetch can
-        start only once they are there. A caller that idles (the server's worker)
-        calls :meth:`poll_background` until this is false.
+        start only once they are there. Stores finish (or fail, freeing what they
+        reserved on the tier) while the server idles too, so its statistics are
+        current. A caller that idles (the server's worker) calls
+        :meth:`poll_background` until this is false.
         """
-        p = self.agents.prefetcher
-        if p is None or self.tier_chain is None:
+        if self.tier_chain is None:
             return False
-        return p.busy or self.connector.stores_pending
+        p = self.agents.prefetcher
+        return (p is not None and p.busy) or self.connector.stores_pending
 
     def poll_background(self) -> None:
         """Finish tier stores and prefetches that completed, and start the prefetches now due."""
