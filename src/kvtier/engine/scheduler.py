@@ -154,7 +154,7 @@ class Scheduler:
         self.connector.demote_pending()
         slab = storage.slab
         bs = storage.layout.block_size
-        new = {id(seq): n for seq, n in batch}
+        in_batch = {id(seq) for seq, _ in batch}
         hold: list[int] = []
         lost: list[Seq] = []
         for seq in self.queues.running:
@@ -163,13 +163,14 @@ class Scheduler:
             blocks = seq.table.blocks
             start = seq.computed
             reads = blocks[storage.first_read_block(start) : -(-start // bs)]
-            if id(seq) in new and not all(slab.has(b) for b in reads):
+            if id(seq) in in_batch and not all(slab.has(b) for b in reads):
                 lost.append(seq)
                 continue
             hold.extend(reads)
         slab.hold(hold)
+        unread = {id(seq) for seq in lost}
         for seq, n in batch:
-            if any(s is seq for s in lost):
+            if id(seq) in unread:
                 continue
             assert seq.table is not None
             start = seq.computed

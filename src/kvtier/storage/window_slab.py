@@ -64,7 +64,7 @@ def first_read_block(position: int, block_size: int, window: int, chunk: int = 0
     chunked local layer (``chunk`` > 0, Llama 4), from the start of its own chunk."""
     if chunk:
         return position // chunk * chunk // block_size
-    return max(0, position - window + 1) // block_size
+    return window_blocks(position, window, block_size)
 
 
 class WindowSlab:

@@ -39,7 +39,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
-from kvtier.storage.device import Indices, KVBlockStorage, torch_dtype
+from kvtier.storage.device import Indices, KVBlockStorage, _Cached, torch_dtype
 from kvtier.storage.window_slab import WindowDroppedError, WindowSlab, first_read_block
 
 
@@ -183,8 +183,6 @@ class WindowedKVStorage(KVBlockStorage):
         t = self._index_tensor("slots", slots, self.num_slots)
         rows = self._full._slot_rows(t) if self._full is not None else t
         if isinstance(slots, torch.Tensor):
-            from kvtier.storage.device import _Cached
-
             self._slot_cache = _Cached(slots, rows)
         return rows
 
@@ -265,9 +263,8 @@ class WindowedKVStorage(KVBlockStorage):
         keep = [j for j, ok in enumerate(whole) if ok]
         if keep:
             slots = torch.tensor(self.slab.slots(ids[j] for j in keep), device=self.device)
-            part = out.index_select(0, torch.tensor(keep, device=self.device))
-            part.index_copy_(1, self._win_idx, self._win._op.index_select(0, slots))
-            out.index_copy_(0, torch.tensor(keep, device=self.device), part)
+            rows = torch.tensor(keep, device=self.device)[:, None]
+            out[rows, self._win_idx] = self._win._op.index_select(0, slots)
         return out.view(self.dtype), whole
 
     def import_partial(
