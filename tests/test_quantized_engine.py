@@ -92,13 +92,30 @@ def test_the_batched_engine_reads_what_the_cache_path_reads(model_tok: tuple[Any
             want.append(int(logits[0, -1].argmax()))
             step = [want[-1]]
     assert got == want
-    # The blocks hold the same bytes too.
+    # The blocks hold the same K/V too, to within one quantization step: the two
+    # paths compute K/V with different float kernels (batched against one
+    # request), and which side of a rounding boundary a value lands on depends on
+    # the CPU's kernels (AVX2 and AVX-512 differ), so equal bytes are not promised.
     keys = mgr.hasher.chain(ids)
     mine = mgr.pool.lookup(keys)
     theirs = eng.manager.pool.lookup(eng.manager.hasher.chain(ids))
     assert len(mine) == len(theirs) == len(ids) // BS
     for a, b in zip(mine, theirs, strict=True):
-        assert torch.equal(storage.block_bytes(a), eng.storage.block_bytes(b))
+        assert_within_one_step(storage, a, eng.storage, b)
+
+
+def assert_within_one_step(sa: Any, a: int, sb: Any, b: int) -> None:
+    """Blocks ``a`` of ``sa`` and ``b`` of ``sb`` hold the same K/V to one quantization step.
+
+    A scale is the absolute maximum of a head's values over ``qmax``: computed from
+    the same K/V by two float paths, the scales agree to float rounding, and a
+    dequantized value is off by at most one step of its head's scale.
+    """
+    scale_a, scale_b = sa.scales[a], sb.scales[b]  # [layers, 2, heads]
+    torch.testing.assert_close(scale_a, scale_b, rtol=1e-4, atol=0)
+    step = torch.maximum(scale_a, scale_b)[:, :, None, :, None]  # [layers, 2, 1, heads, 1]
+    diff = (sa.export_blocks([a])[0] - sb.export_blocks([b])[0]).abs()
+    assert bool((diff <= step * 1.001).all()), float((diff / step).max())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8_e4m3"])
