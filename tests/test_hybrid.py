@@ -118,7 +118,7 @@ def test_a_slot_widens_to_hold_a_convolution_layers_features(lfm2: Lfm2) -> None
         ({"layer_types": None, "full_attn_idxs": None}, "neither layer_types nor full_attn_idxs"),
         (
             {"layer_types": ["conv", "sliding_attention", "conv", "conv"]},
-            "sliding_attention",
+            "sliding-window attention",
         ),
         ({"layer_types": ["conv", "linear_attention", "conv", "conv"]}, "linear attention"),
         ({"layer_types": ["conv", "full_attention"]}, "layer_types naming 2 layers"),

@@ -121,6 +121,10 @@ def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
             "kvtier serves decoder-only transformers"
         )
     kv_heads = num("num_key_value_heads") or heads
+    if get("multi_query") is True and not get("new_decoder_architecture"):
+        # Multi-query attention (GPT-BigCode / StarCoder 1): one K/V head for every query
+        # head, whatever num_key_value_heads says (the model reads only multi_query).
+        kv_heads = 1
     head_dim = num("head_dim")
     if get("kv_lora_rank") is not None:
         # Multi-head latent attention: a block holds each token's compressed latent as one
@@ -183,7 +187,10 @@ def probe_model(
             key = _GGUF_FIELDS.get(field)
             return None if key is None else meta.get(f"{arch}.{key}")
 
-        get = get_gguf
+        # transformers' GGUF loader names the family and its fields as the loaded
+        # model's config will (qwen3moe is qwen3_moe, gemma3 is gemma3_text, ...).
+        loaded = _gguf_config(path)
+        get = get_gguf if loaded is None else _config_getter(loaded)
 
         template = meta.get("tokenizer.chat_template")
         chat = template if isinstance(template, str) else None
@@ -196,7 +203,7 @@ def probe_model(
         if "num_hidden_layers" not in cfg and isinstance(plan, list):
             # Nemotron-H saves its layer count only as the length of its layer plan.
             cfg = {**cfg, "num_hidden_layers": len(plan)}
-        get = cfg.get
+        get = _config_getter(cfg)
         chat = _hf_chat_template(path)
     check_supported(get, source=f"--model {path}")
     layers, heads, kv_heads, head_dim = geometry(get)
@@ -215,6 +222,50 @@ def probe_model(
         state_spec(get),
         window_plan(get, "auto", positions if isinstance(positions, int) else None),
     )
+
+
+def _config_getter(cfg: dict[str, Any]) -> Callable[[str], object]:
+    """Read a saved config's fields as the model will see them once loaded.
+
+    The family's own config class is built from the fields, so what it
+    derives is what the check reads: the layer plan of a config that omits
+    ``layer_types`` (Gemma 2 alternates sliding and full layers, Mistral
+    slides in every one), defaults of fields left out, and fields a family
+    saves under names of its own (GPT-2's ``n_layer``, ``n_head``). Without
+    transformers, or for a config its class refuses, the saved fields are
+    read as they are.
+    """
+    model_type = cfg.get("model_type")
+    config: Any = None
+    if isinstance(model_type, str):
+        try:
+            from transformers import CONFIG_MAPPING
+
+            fields = {k: v for k, v in cfg.items() if k != "model_type"}
+            config = CONFIG_MAPPING[model_type](**fields)
+        except Exception:  # an unknown family, or fields its class rejects: read them raw
+            config = None
+    if config is None:
+        return cfg.get
+
+    def get(field: str) -> object:
+        if field == "model_type":
+            return model_type
+        return getattr(config, field, cfg.get(field))
+
+    return get
+
+
+def _gguf_config(path: Path) -> dict[str, Any] | None:
+    """The config transformers' GGUF loader reads from a GGUF file's metadata (no tensors),
+    or ``None`` when transformers (or its ``gguf`` dependency) cannot read it."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]  # type: ignore[no-untyped-call]
+    except Exception:  # an architecture the loader does not know, or no gguf package
+        return None
+    return dict(config) if isinstance(config, dict) and "model_type" in config else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from kvtier.engine.attention_spec import first_visible
 from kvtier.engine.block_layers import mix_in
-from kvtier.errors import ConfigError
 from kvtier.layout import cdiv
 from kvtier.storage import KVBlockStorage
 
@@ -296,6 +295,16 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention over kvtier blocks for a :class:`BatchMeta` pass (SDPA otherwise)."""
     meta: BatchMeta | None = kwargs.pop("kvtier_batch", None)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if meta is None and (softcap is not None or sinks is not None):
+        # transformers' SDPA path has neither: attend as the model's eager attention does.
+        heads, kv_heads = query.shape[1], key.shape[1]
+        k = key.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else key
+        v = value.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else value
+        bias = _additive_mask(attention_mask, query, key)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = attend_eager(query, k, v, bias, scale, softcap, sinks)
+        return out.transpose(1, 2).contiguous(), None
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -310,11 +319,6 @@ def paged_attention(
             **kwargs,
         )
         return out, None
-    if kwargs.get("softcap") is not None:
-        raise ConfigError(
-            "kvtier's paged attention does not implement attention logit soft-capping: "
-            "serve this model with an engine that does"
-        )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     storage = meta.storage
     if getattr(module, "_kvtier_gathered", False):
@@ -369,16 +373,72 @@ def paged_attention(
         q = query[0].transpose(0, 1).unsqueeze(2)
     else:
         q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
-    # Each query head stays its own row (``enable_gqa``), as in transformers' attention:
-    # folding a K/V head's query heads into its rows costs less but rounds differently.
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, scale=scaling, enable_gqa=heads != kv_heads
-    )
+    if softcap is not None or sinks is not None:
+        if heads != kv_heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = attend_eager(q, k, v, bias, scale, softcap, sinks)
+    else:
+        # Each query head stays its own row (``enable_gqa``), as in transformers' attention:
+        # folding a K/V head's query heads into its rows costs less but rounds differently.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, scale=scaling, enable_gqa=heads != kv_heads
+        )
     # [B, heads, Q, dim] -> [B * Q, heads, dim] -> the real tokens, in pass order
     out = out.transpose(1, 2).reshape(B * Q, heads, v_dim)
     if not meta.decode_only:
         out = out.index_select(0, meta.q_scatter)
     return out.unsqueeze(0), None
+
+
+def attend_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: object,
+    sinks: object,
+) -> torch.Tensor:
+    """Attention written out, for the logit changes SDPA has no argument for.
+
+    ``q`` is ``[B, heads, Q, dim]``, ``k``/``v`` ``[B, heads, K, dim]`` (one K/V
+    head per query head), ``bias`` additive ``[B, 1, Q, K]``. ``softcap`` bends
+    each logit to ``softcap * tanh(logit / softcap)`` before the mask (Gemma 2);
+    ``sinks`` is one learned logit per head that joins every softmax and is then
+    dropped, so a query may attend to nothing (GPT-OSS). The order of operations
+    is transformers' eager attention's for those models, so the results round alike.
+    """
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        cap = float(softcap)  # type: ignore[arg-type]
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores + bias
+    if isinstance(sinks, torch.Tensor):
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], -1)
+        combined = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _additive_mask(
+    mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor:
+    """A transformers attention mask (SDPA's boolean form, additive, or ``None`` for
+    causal) as an additive ``[B or 1, 1, Q, K]`` tensor in the query's dtype."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    if mask is None:
+        # Causal, the queries being the last ``q_len`` positions of the keys.
+        qpos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        mask = (torch.arange(k_len, device=query.device)[None, :] <= qpos)[None, None]
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        return bias.masked_fill_(~mask, float("-inf"))
+    return mask[..., :k_len].to(query.dtype)
 
 
 class _LatentAttention:

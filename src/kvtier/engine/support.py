@@ -21,40 +21,60 @@ itself, without a word.
 
 :func:`check_supported` reads only config fields (a ``config.json``, a GGUF
 file's metadata or a loaded config object), so a server refuses a model it
-cannot serve exactly before any weight is read. Families are admitted by an
-allow-list of architectures whose attention is known to match, and even then
-a config that switches on a feature kvtier does not implement is refused,
-naming the attention type.
+cannot serve exactly before any weight is read. Families are admitted by
+evidence: ``families.json`` beside this module is the record of the
+conformance sweep (:mod:`kvtier.conformance`, ``python bench/families.py
+--write``), which served a tiny model of every decoder family of the
+installed transformers through the engine and compared each token with
+transformers' own greedy ``generate``. A family is admitted when its record
+says ``exact``, and then only for configs within the features its tiny model
+exercised (:func:`config_features`): a switch the sweep did not try, or an
+attention feature kvtier does not implement, is refused, naming it and what
+to use instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
 
-from kvtier.engine.attention_spec import CHUNKED, CONV, SLIDING, attention_spec
+from kvtier.engine.attention_spec import (
+    CHUNKED,
+    CONV,
+    FULL,
+    SLIDING,
+    attention_spec,
+    chunked_layers,
+    short_conv_layers,
+)
 from kvtier.engine.state_spec import LINEAR, STATE_MODEL_TYPES, state_spec
 from kvtier.errors import ConfigError
 
-#: ``model_type`` values whose every layer is full causal attention, sliding-window
-#: attention, MLA or a short convolution, all kept per token in the blocks (with the
-#: feature checks below): served exactly.
-SUPPORTED_MODEL_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "gemma3_text",
-        "deepseek_v2",
-        "deepseek_v3",
-        "glm4_moe_lite",
-        "longcat_flash",
-        "lfm2",
-        "lfm2_moe",
-        "llama4_text",
-        *STATE_MODEL_TYPES,
-    }
-)
+#: The conformance sweep's record (``families.json``): per ``model_type``, its outcome,
+#: the config features an exact run exercised, or the reason it is refused.
+_RECORD_FILE = "families.json"
+
+
+def _load_record() -> dict[str, Any]:
+    try:
+        text = resources.files("kvtier.engine").joinpath(_RECORD_FILE).read_text()
+    except FileNotFoundError:
+        return {"families": {}}
+    record = json.loads(text)
+    return record if isinstance(record, dict) else {"families": {}}
+
+
+RECORD: dict[str, Any] = _load_record()
+_FAMILIES: dict[str, dict[str, Any]] = RECORD.get("families", {})
+
+#: ``model_type`` values the conformance sweep found exact: admitted (within their features).
+SUPPORTED_MODEL_TYPES = frozenset(t for t, e in _FAMILIES.items() if e.get("outcome") == "exact")
+
+#: Families being tried by the conformance sweep, admitted whatever their record says.
+_ON_TRIAL: set[str] = set()
 
 #: Of those, the families with chunked local attention layers (Llama 4), checked against the
 #: model's own answers (:mod:`kvtier.engine.local_attention`).
@@ -66,25 +86,16 @@ MLA_MODEL_TYPES = frozenset(
     {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "longcat_flash"}
 )
 
-#: Of those, the families whose sliding-window layers have been checked
-#: against the model's own answers (the others must be full attention).
-SLIDING_WINDOW_MODEL_TYPES = frozenset({"gemma3_text", "mistral", "qwen2", "qwen3"})
-
 #: Of those, the hybrids whose other layers are short causal convolutions (LFM2), served
 #: from each token's convolution input in the blocks (:mod:`kvtier.engine.conv_layers`).
 SHORT_CONV_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe"})
 
 #: Known families kvtier does not serve yet, by the attention type that rules them out.
 _KNOWN_UNSUPPORTED = {
-    "sliding-window attention in a family kvtier has not checked it for": (
-        "cohere2",
-        "mistral3",
-        "ministral",
-        "exaone4",
-        "olmo3",
-        "smollm3",
-    ),
-    "attention logit soft-capping": ("gemma2",),
+    (
+        "an image-text wrapper (kvtier serves the text model inside it, model_type mistral "
+        "or ministral)"
+    ): ("mistral3",),
     (
         "Gemma 3's image-text form, where image tokens attend to each other both ways "
         "(kvtier serves the text model, model_type gemma3_text)"
@@ -93,7 +104,6 @@ _KNOWN_UNSUPPORTED = {
         "gemma3n",
         "gemma3n_text",
     ),
-    "attention sinks (a learned logit in every softmax)": ("gpt_oss",),
     (
         "chunked local attention in an image-text form (kvtier serves Llama 4's text model, "
         "model_type llama4_text)"
@@ -138,15 +148,91 @@ _LAYER_KIND = {
 }
 
 _ADVICE = (
-    "kvtier serves decoder-only models of the families "
-    f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}, built from full causal attention, "
-    f"sliding-window attention ({', '.join(sorted(SLIDING_WINDOW_MODEL_TYPES))}), "
-    f"chunked local attention ({', '.join(sorted(CHUNKED_MODEL_TYPES))}), "
-    f"multi-head latent attention ({', '.join(sorted(MLA_MODEL_TYPES))}), short causal "
-    f"convolutions ({', '.join(sorted(SHORT_CONV_MODEL_TYPES))}) and linear-attention / Mamba "
-    f"layers ({', '.join(sorted(STATE_MODEL_TYPES))}); serve this model with an "
-    "engine that implements its attention, or pick a supported model"
+    "Instead: serve this model with an engine that implements it (vLLM and SGLang serve "
+    "most transformers families), or pick a model of a family kvtier serves exactly "
+    f"({len(SUPPORTED_MODEL_TYPES)} of them, listed in docs/models.md)"
 )
+
+#: Config features :func:`config_features` names, as a refusal describes them.
+FEATURES = {
+    "sliding": "sliding-window attention",
+    "chunked": "chunked local attention",
+    "mla": "multi-head latent attention (MLA)",
+    "conv": "short convolution layers",
+    "linear": "linear-attention / Mamba layers",
+    "softcap": "attention logit soft-capping",
+}
+
+
+@contextmanager
+def on_trial(model_type: str) -> Iterator[None]:
+    """Admit ``model_type`` whatever its record says, while the conformance sweep tries it.
+
+    Features kvtier does not implement are still refused.
+    """
+    _ON_TRIAL.add(model_type)
+    try:
+        yield
+    finally:
+        _ON_TRIAL.discard(model_type)
+
+
+def config_features(get: Callable[[str], object]) -> set[str]:
+    """The features of :data:`FEATURES` a config switches on (full attention: none)."""
+    found: set[str] = set()
+    types = get("layer_types")
+    names = {str(t) for t in types} if isinstance(types, (list, tuple)) else set()
+    if names <= {FULL, SLIDING} and _positive(get("num_hidden_layers")):
+        try:
+            if attention_spec(get).has_sliding and not _window_covers_context(get):
+                found.add("sliding")
+        except ConfigError:
+            found.add("sliding")  # an unreadable plan: never within an exercised one
+    elif names <= {FULL, SLIDING}:
+        # No layer count to derive a plan for: any window that can bind counts.
+        if (
+            _positive(get("sliding_window"))
+            and get("use_sliding_window") is not False
+            and not _window_covers_context(get)
+        ) or SLIDING in names:
+            found.add("sliding")
+    elif SLIDING in names:
+        found.add("sliding")
+    if chunked_layers(get)[0] or CHUNKED in names:
+        found.add("chunked")
+    if _positive(get("kv_lora_rank")):
+        found.add("mla")
+    if CONV in names or short_conv_layers(get):
+        found.add("conv")
+    if names & {LINEAR, "mamba", "hybrid"} or any(get(f) is not None for f in _STATE_FIELDS):
+        found.add("linear")
+    if any(get(f) not in (None, 0, 0.0) for f in _SOFTCAP_FIELDS):
+        found.add("softcap")
+    return found
+
+
+_SOFTCAP_FIELDS = ("attn_logit_softcapping", "attention_logit_softcapping")
+_STATE_FIELDS = ("layers_block_type", "hybrid_override_pattern", "mamba_d_state")
+
+
+def _window_covers_context(get: Callable[[str], object]) -> bool:
+    """A window at least as long as the context never hides a token."""
+    window, positions = get("sliding_window"), get("max_position_embeddings")
+    return _positive(window) and _positive(positions) and window >= positions  # type: ignore[operator]
+
+
+def unsupported_reason(get: Callable[[str], object]) -> str | None:
+    """Why kvtier cannot serve this config whatever the sweep found (``None``: it might).
+
+    The attention features kvtier does not implement, by family or by config
+    field: what the conformance sweep refuses without running a model.
+    """
+    model_type = get("model_type")
+    name = model_type if isinstance(model_type, str) and model_type else None
+    if name is not None and name in _FAMILY_OF:
+        return f"uses {_FAMILY_OF[name]}"
+    feature = _unsupported_feature(get, name)
+    return None if feature is None else f"is configured with {feature}"
 
 
 def check_supported(get: Callable[[str], object], *, source: str = "the model") -> None:
@@ -169,10 +255,29 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
         raise ConfigError(f"{source} is {what} configured with {feature}: not supported. {_ADVICE}")
     if name is None:
         raise ConfigError(f"{source} does not say its model_type. {_ADVICE}")
-    if name not in SUPPORTED_MODEL_TYPES:
+    if name in _ON_TRIAL:
+        return
+    entry = _FAMILIES.get(name)
+    if entry is None:
         raise ConfigError(
-            f"{source} is a {name!r} model, whose attention kvtier has not been checked "
-            f"against: it is refused rather than risk wrong answers. {_ADVICE}"
+            f"{source} is a {name!r} model, a family kvtier's conformance sweep has not run "
+            f"(its record is for transformers {RECORD.get('transformers', '?')}; "
+            "`python bench/families.py --write` reruns it on the installed one): refused "
+            f"rather than risk wrong answers. {_ADVICE}"
+        )
+    if entry.get("outcome") != "exact":
+        raise ConfigError(
+            f"{source} is a {name!r} model, which kvtier does not serve exactly: "
+            f"{entry.get('reason') or entry.get('outcome')}. {_ADVICE}"
+        )
+    missing = sorted(config_features(get) - set(entry.get("features", ())))
+    if missing:
+        raise ConfigError(
+            f"{source} is a {name!r} model configured with "
+            f"{' and '.join(FEATURES[m] for m in missing)}, which kvtier's conformance sweep "
+            f"has not checked for {name!r} models (it checked "
+            f"{', '.join(FEATURES[f] for f in entry.get('features', ())) or 'full attention'}"
+            f"): refused rather than risk wrong answers. {_ADVICE}"
         )
 
 
@@ -192,14 +297,13 @@ def check_wrapper(model_type: object, *, source: str = "the model") -> None:
 
 def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str | None:
     """The first config feature kvtier does not implement, described; ``None`` if none."""
-    sliding_ok = name in SLIDING_WINDOW_MODEL_TYPES
     if name in SHORT_CONV_MODEL_TYPES:
         conv = _short_conv_feature(get)
         if conv is not None:
             return conv
     layer_types = get("layer_types")
     if isinstance(layer_types, (list, tuple)):
-        allowed = {"full_attention", SLIDING} if sliding_ok else {"full_attention"}
+        allowed = {FULL, SLIDING}
         if name in SHORT_CONV_MODEL_TYPES:
             allowed.add(CONV)
         if name in STATE_MODEL_TYPES:
@@ -214,20 +318,12 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
         if odd:
             kinds = sorted({_LAYER_KIND.get(t, f"{t!r} layers") for t in odd})
             return " and ".join(kinds) + f" (layer_types has {', '.join(odd)})"
-    window = get("sliding_window")
-    positions = get("max_position_embeddings")
-    if sliding_ok and _positive(get("num_hidden_layers")):
+    plain = not isinstance(layer_types, (list, tuple)) or set(layer_types) <= {FULL, SLIDING}
+    if plain and _positive(get("num_hidden_layers")) and name not in STATE_MODEL_TYPES:
         try:
             attention_spec(get)
         except ConfigError as exc:
             return f"an attention plan kvtier cannot read ({exc})"
-    elif (
-        _positive(window)
-        and get("use_sliding_window") is not False
-        # A window at least as long as the context never hides a token.
-        and not (_positive(positions) and window >= positions)  # type: ignore[operator]
-    ):
-        return f"sliding-window attention (sliding_window={window})"
     if get("use_bidirectional_attention") is True:
         return "bidirectional attention (use_bidirectional_attention is true)"
     if name == "gemma3_text" and get("vision_config") is not None:
@@ -240,9 +336,6 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
         return f"chunked local attention (attention_chunk_size={chunk})"
     if _positive(get("kv_lora_rank")) and name not in MLA_MODEL_TYPES:
         return "multi-head latent attention (MLA: kv_lora_rank is set)"
-    for field in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if get(field) not in (None, 0, 0.0):
-            return f"attention logit soft-capping ({field}={get(field)})"
     if name in STATE_MODEL_TYPES:
         return _state_feature(get)
     for field in ("layers_block_type", "hybrid_override_pattern", "mamba_d_state", "ssm_cfg"):
