@@ -1,10 +1,18 @@
-"""Batched host/disk tier copies with pooled checksums: every flipped bit is still a miss.
+"""Batched host/disk tier copies with pooled checksums: a flipped bit a checksum guards is a miss.
 
 A tier chain stores real blocks, one bit of one stored item (header or
 payload, in host memory or in its disk file) is flipped, and the load must
 stop at that block: the blocks before it come back bit-exact, the damaged
 one is counted corrupt and dropped, and nothing of it (or of the blocks
-after it) reaches the device. Each case runs with the checksums on the
+after it) reaches the device.
+
+The host tier of a chain stores its payloads unchecked (the slots are the
+process's own memory, as exposed as the device's blocks; docs/tiers.md,
+"Stored blocks"): there a flipped header bit is still a miss, and a flipped
+payload bit comes back as it is, exactly as a flipped bit in a device block
+would be read. A host tier asked for checksums (``checksums=True``), and
+the disk tier, miss on every flipped bit; a header that says "unchecked"
+is refused from any medium outside the process. Each case runs with the checksums on the
 calling thread and on the checksum pool (small chunks, so a batch spans
 several pool tasks and copies), and with the tier's slots in ascending and
 in descending order (one copy per run of blocks, or one per block). With a
@@ -27,6 +35,7 @@ from hypothesis import strategies as st
 from needs import hardware_mark
 
 from kvtier import KVCacheManager
+from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.offload import codec, transfer
 from kvtier.offload.chain import TierChain
@@ -58,14 +67,18 @@ def pooled(on: bool) -> Iterator[None]:
 
 
 def stored_chain(
-    medium: HostStore | DiskStore, descending: bool, seed: int, device: str = "cpu"
+    medium: HostStore | DiskStore,
+    descending: bool,
+    seed: int,
+    device: str = "cpu",
+    checksums: bool | None = None,
 ) -> tuple[KVBlockStorage, TierChain, Tier, list[int]]:
     storage = KVBlockStorage(LAYOUT, 2 * N, device=device)
     gen = torch.Generator().manual_seed(seed)
     storage.tensor[:N].copy_(torch.randn(storage.tensor[:N].shape, generator=gen))
     storage.tensor[N:].zero_()
     mgr = KVCacheManager(2 * N, LAYOUT.block_size)
-    tier = Tier(medium, N, codec="raw")
+    tier = Tier(medium, N, codec="raw", checksums=checksums)
     chain = TierChain(storage, mgr, [tier], write_mode="write_through")
     rng = random.Random(seed)
     if descending:
@@ -123,17 +136,71 @@ def check_load(
     seed=st.integers(0, 2**16),
 )
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_flipped_bit_in_a_host_item_is_a_miss(
+def test_a_flipped_bit_in_a_checksummed_host_item_is_a_miss(
     device: str, victim: int, bit: int, descending: bool, pool: bool, seed: int
 ) -> None:
     with pooled(pool):
         host = HostStore(pin_memory=device == "cuda")
-        storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+        storage, chain, tier, keys = stored_chain(host, descending, seed, device, checksums=True)
         slot = tier.offload_manager.prepare_load([keys[victim]])[0]
         tier.offload_manager.complete_load([keys[victim]])
         flip_host(host, slot, bit)
         check_load(storage, chain, tier, keys, victim)
         chain.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    victim=st.integers(0, N - 1),
+    bit=st.integers(0, 8 * (HEADER_SIZE + BLOCK_BYTES) - 1),
+    descending=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_unchecked_host_item_misses_on_its_header_and_reads_its_payload_as_it_is(
+    device: str, victim: int, bit: int, descending: bool, seed: int
+) -> None:
+    host = HostStore(pin_memory=device == "cuda")
+    storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+    assert not tier.checksums and not host.checksums  # the chain's default for host memory
+    slot = tier.offload_manager.prepare_load([keys[victim]])[0]
+    tier.offload_manager.complete_load([keys[victim]])
+    flip_host(host, slot, bit)
+    if bit < 8 * HEADER_SIZE:
+        # The header (key, layout, length, its own checksum) still guards the slot.
+        check_load(storage, chain, tier, keys, victim)
+    else:
+        # The payload is the process's own memory, read like a device block: as it is.
+        assert chain.load(keys, list(range(N, 2 * N))) == N
+        src, dst = storage.tensor[:N], storage.tensor[N:]
+        diff = (src.view(torch.uint8) != dst.view(torch.uint8)).view(N, -1).sum(dim=1)
+        assert diff.tolist() == [1 if i == victim else 0 for i in range(N)]
+        assert tier.counters.corrupt_blocks == 0
+    chain.close()
+
+
+def test_an_unchecked_header_is_refused_from_a_disk_file(tmp_path: Path) -> None:
+    # A file claiming it needs no checksum is corrupt: only this process's memory may say so.
+    disk = DiskStore(tmp_path)
+    storage, chain, tier, keys = stored_chain(disk, False, 7)
+    path = disk.path(keys[2])
+    raw = path.read_bytes()
+    fmt = tier.fmt
+    assert fmt is not None
+    header = codec.header_for(
+        fmt.codec, keys[2], fmt.shape, fmt.dtype, len(raw) - HEADER_SIZE, 0, unchecked=True
+    )
+    path.write_bytes(header + raw[HEADER_SIZE:])
+    check_load(storage, chain, tier, keys, 2)
+    chain.close()
+
+
+def test_only_an_in_process_medium_stores_unchecked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        Tier(DiskStore(tmp_path), 4, checksums=False)
+    assert Tier(DiskStore(tmp_path), 4).checksums
+    assert not Tier(HostStore(), 4).checksums
+    assert Tier(HostStore(), 4, checksums=True).checksums
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -155,14 +222,19 @@ def test_a_flipped_bit_in_a_disk_file_is_a_miss(
 
 
 @settings(max_examples=30, deadline=None)
-@given(descending=st.booleans(), pool=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    descending=st.booleans(),
+    pool=st.booleans(),
+    seed=st.integers(0, 2**16),
+    checksums=st.booleans(),
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_undamaged_batches_load_bit_exact(
-    device: str, descending: bool, pool: bool, seed: int
+    device: str, descending: bool, pool: bool, seed: int, checksums: bool
 ) -> None:
     with pooled(pool):
         host = HostStore(pin_memory=device == "cuda")
-        storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+        storage, chain, tier, keys = stored_chain(host, descending, seed, device, checksums)
         assert chain.load(keys, list(range(N, 2 * N))) == N
         assert torch.equal(storage.tensor[N:], storage.tensor[:N])
         assert tier.counters.corrupt_blocks == 0

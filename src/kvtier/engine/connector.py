@@ -8,6 +8,13 @@ request's cached blocks into the device tier, and keeps the tiers' background
 work moving. Without tiers every method is a no-op, so the scheduler never
 asks whether tiers exist. It changes a sequence's own fields (its pending
 load, its computed tokens) and the engine's counters, never the queues.
+
+It also decides, per request, whether a prefix a tier holds is worth loading
+(:meth:`KVConnector.plan_load`): a :class:`~kvtier.costs.CostModel` learns
+each tier's load latency and bandwidth from the loads the chain completes
+and the model's prefill cost from the engine's forward passes, and the
+request loads the beginning of its tier prefix whose load beats computing
+it, and computes the rest (all of it when the tier is slower than the model).
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import collections
 import logging
 from collections.abc import Sequence
 
+from kvtier.costs import CostModel
 from kvtier.engine.request import EngineCounters
 from kvtier.engine.request import Sequence as Seq
 from kvtier.errors import ConfigError, KvTierError, UnknownRequestError
-from kvtier.manager import KVCacheManager
+from kvtier.manager import KVCacheManager, PrefixMatch
 from kvtier.offload.chain import TierChain
 from kvtier.offload.compress import CompressionResult
 
@@ -33,16 +41,91 @@ class KVConnector:
     """Tier loads, stores, swaps and compression for one engine (see the module docstring)."""
 
     def __init__(
-        self, manager: KVCacheManager, tiers: TierChain | None, counters: EngineCounters
+        self,
+        manager: KVCacheManager,
+        tiers: TierChain | None,
+        counters: EngineCounters,
+        costs: CostModel | None = None,
     ) -> None:
         self.manager = manager
         #: The chain of tiers below the device (``None``: none configured).
         self.tiers = tiers
         self.counters = counters
+        #: What loads and prefills cost here, learned as the engine runs.
+        self.costs = costs if costs is not None else CostModel()
+        #: Load every tier block a request finds, whatever the costs say: a decode
+        #: instance of a prefill/decode pair, whose prefill side computed the prompt so
+        #: that this one spends its compute on decoding.
+        self.load_all = False
+        if tiers is not None:
+            tiers.on_load = self._observe_load
         #: Block keys of recently finished requests (request id -> one chain per choice).
         self._finished_keys: collections.OrderedDict[str, list[list[int]]] = (
             collections.OrderedDict()
         )
+
+    # -- costs and the load-or-recompute plan ------------------------------------------
+    def _observe_load(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.costs.observe_load(tier, nbytes, seconds)
+
+    def observe_pass(self, batch: Sequence[tuple[Seq, int]], seconds: float) -> None:
+        """A forward pass computed ``batch`` (before the scheduler advanced it) in ``seconds``.
+
+        Only passes with a prompt chunk teach the prefill cost: decode-only
+        passes say little about what a long prompt costs, and would outweigh
+        the passes that do.
+        """
+        chunks = [(seq.computed, n) for seq, n in batch]
+        if any(n > 1 for _, n in chunks):
+            self.costs.observe_pass(chunks, seconds)
+
+    def plan_load(self, seq: Seq, match: PrefixMatch) -> int:
+        """How many of ``match``'s tier blocks ``seq`` loads (the rest it computes).
+
+        The loaded part is always the beginning of the tier prefix (a block is
+        no use without its parent). Without learned costs it loads them all.
+        The choice goes into the request's metrics and a debug log line.
+        """
+        tiers = self.tiers
+        t = match.tier_blocks
+        if tiers is None or t == 0:
+            return 0
+        if self.load_all:
+            return t
+        bs = self.manager.block_size
+        names = [tiers.tiers[i].name for i in match.tier_plan]
+        sizes = []
+        for i in match.tier_plan:
+            fmt = tiers.tiers[i].fmt
+            sizes.append(fmt.blob_size if fmt is not None else 0)
+        cached = match.device_blocks * bs
+        plan = self.costs.plan(
+            cached_tokens=cached,
+            prompt_tokens=seq.num_tokens,
+            block_size=bs,
+            tier_plan=names,
+            block_bytes=sizes,
+        )
+        k = plan.load_blocks
+        if seq.admissions == 0:
+            m = seq.metrics
+            m.recomputed_tier_tokens = (t - k) * bs
+            m.plan_estimate_s = plan.estimate_s
+            m.recompute_estimate_s = plan.recompute_s
+            self.counters.recomputed_tier_tokens += (t - k) * bs
+        log.debug(
+            "request %s: %d tokens cached on the device, %d of %d on tiers loaded, %d computed "
+            "(estimates: plan %s s, recompute %s s, load all %s s)",
+            seq.seq_id,
+            cached,
+            k * bs,
+            t * bs,
+            seq.num_tokens - cached - k * bs,
+            _seconds(plan.estimate_s),
+            _seconds(plan.recompute_s),
+            _seconds(plan.load_all_s),
+        )
+        return k
 
     # -- prefix loads ------------------------------------------------------------------
     def start_load(self, seq: Seq, keys: Sequence[int], first: int) -> None:
@@ -60,12 +143,18 @@ class KVConnector:
         tiers = self.tiers
         assert tiers is not None and seq.load is not None and seq.table is not None
         pending, seq.load = seq.load, None
-        loaded = tiers.finish_load(pending) * self.manager.block_size
+        bs = self.manager.block_size
+        loaded = tiers.finish_load(pending) * bs
         seq.computed += loaded
         self.counters.loaded_prompt_tokens += loaded
         if seq.admissions == 1 and not seq.generated:
-            seq.metrics.cached_tokens += loaded
+            m = seq.metrics
+            m.cached_tokens += loaded
             self.counters.cached_prompt_tokens += loaded
+            by_tier = self.counters.tier_hit_tokens
+            for name, blocks in pending.loaded_by_tier.items():
+                m.tier_tokens[name] = m.tier_tokens.get(name, 0) + blocks * bs
+                by_tier[name] = by_tier.get(name, 0) + blocks * bs
         self.load_tail(seq)
 
     def drop_load(self, seq: Seq) -> None:
@@ -188,3 +277,7 @@ class KVConnector:
         """Finish background tier writes and close the tiers' media."""
         if self.tiers is not None:
             self.tiers.close()
+
+
+def _seconds(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.4f}"

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -251,7 +252,9 @@ class Engine:
         if kv_events is not None:
             from kvtier.events import make_event_sink
 
-            self.events = make_event_sink(kv_events, topic="kv-events", block_size=block_size)
+            # vLLM's default topic (empty): vllm-router matches a static source's topic
+            # exactly, so events under any other topic would never reach its index.
+            self.events = make_event_sink(kv_events, topic="", block_size=block_size)
             self.manager.record_events()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -614,9 +617,12 @@ class Engine:
         # writes into their blocks (allocate only queued them).
         self.connector.demote_pending()
         if plan.batch:
+            started = time.perf_counter()
             result = self.runner.execute(plan.batch)
             if result.ran:
                 self.steps += 1
+                # Before update advances the batch: the pass's own context lengths.
+                self.connector.observe_pass(plan.batch, time.perf_counter() - started)
             self.scheduler.update(result, outs)
         else:
             self.scheduler.idle(outs)

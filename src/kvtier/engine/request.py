@@ -28,18 +28,37 @@ if TYPE_CHECKING:
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def cached_by_source(cached: int, by_tier: dict[str, int]) -> dict[str, int]:
+    """Cached prompt tokens split into the device pool's hits (``device``) and each tier's
+    loads (by tier name; the compressed device tier, also named ``device``, as
+    ``device_tier``)."""
+    out = {"device": cached - sum(by_tier.values())}
+    for name, n in sorted(by_tier.items()):
+        out["device_tier" if name == "device" else name] = n
+    return out
+
+
 @dataclass
 class RequestMetrics:
     """Timings and token counts of one request (``time.perf_counter`` seconds)."""
 
     arrival_time: float
     prompt_tokens: int
+    #: Prompt tokens whose K/V were not computed: the device's hit plus tier loads.
     cached_tokens: int = 0
     completion_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    #: Of the cached tokens, those loaded from each tier below the device (by tier name).
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    #: Prompt tokens a tier held that the load-or-recompute plan chose to compute.
+    recomputed_tier_tokens: int = 0
+    #: The plan's estimates (seconds) of what it chose and of recomputing everything
+    #: (``None``: no tier hit, or no costs learned yet).
+    plan_estimate_s: float | None = None
+    recompute_estimate_s: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -47,6 +66,21 @@ class RequestMetrics:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Prompt tokens loaded from the tiers below the device."""
+        return sum(self.tier_tokens.values())
+
+    @property
+    def device_cached_tokens(self) -> int:
+        """Prompt tokens found in the device's own cache."""
+        return self.cached_tokens - self.loaded_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed (neither cached on the device nor loaded)."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def queue_time(self) -> float | None:
@@ -66,6 +100,11 @@ class RequestMetrics:
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "loaded_tokens": self.loaded_tokens,
+            "computed_tokens": self.computed_tokens,
+            "recomputed_tier_tokens": self.recomputed_tier_tokens,
+            "plan_estimate_s": self.plan_estimate_s,
+            "recompute_estimate_s": self.recompute_estimate_s,
             "completion_tokens": self.completion_tokens,
             "ttft_s": self.ttft,
             "queue_s": self.queue_time,
@@ -106,6 +145,10 @@ class EngineCounters:
     cached_prompt_tokens: int = 0
     #: Prompt tokens whose blocks were loaded from a tier below the device.
     loaded_prompt_tokens: int = 0
+    #: First-admission prompt tokens taken from each tier below the device (by tier name).
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    #: Prompt tokens a tier held that the load-or-recompute plan computed instead.
+    recomputed_tier_tokens: int = 0
     computed_prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0

@@ -7,8 +7,9 @@ running request cannot get a block, the *newest* running request is
 preempted: its computed blocks stay cached, or are swapped to the first tier,
 and it resumes later. A request's prefix comes from the device cache and the
 tiers below it (:class:`~kvtier.engine.connector.KVConnector` loads it in the
-background while others run); a request whose prefix another is still
-computing waits a step for it instead of computing it again. A request for
+background while others run, as much of it as loads faster than it computes);
+a request whose prefix another is still computing waits a step for it
+instead of computing it again. A request for
 ``n`` choices computes its prompt once and forks it copy-on-write.
 
 The scheduler meets the model runner only through data: :meth:`schedule`
@@ -284,6 +285,9 @@ class Scheduler:
             if self.agents.deferred(keys[:device_hit]):
                 return _DEFERRED
             return None  # another request is computing (or loading) this prefix: wait for it
+        if tier_hit:
+            # Load the part of the tier prefix whose load beats computing it; compute the rest.
+            tier_hit = self.connector.plan_load(seq, match)
         hit = (device_hit + tier_hit) * bs
         upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
         swapped = seq.swapped

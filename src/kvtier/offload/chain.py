@@ -142,6 +142,9 @@ class TierChain:
         #: Which device evictions the first tier writes (:mod:`kvtier.offload.admission`).
         self.admission = self._make_admission(tier_admission)
         self._demotions: list[tuple[list[int], list[int]]] = []
+        #: Told ``(tier name, blocks, bytes, seconds)`` after each whole batch a load read
+        #: and installed (a cost model learns each tier's bandwidth and latency from it).
+        self.on_load: Callable[[str, int, int, float], None] | None = None
         if self.tiers[0].writes_back:
             device_manager.add_evict_listener(self._on_device_evict)
 
@@ -241,12 +244,15 @@ class TierChain:
                 b.slots = tier.offload_manager.prepare_load(b.keys)
                 items = list(zip(b.keys, b.slots, strict=True))
                 if not tier.medium.caps.background:
+                    started = time.perf_counter()
                     try:
                         b.stored = tier.medium.get(items)
                     except KvTierError as exc:
                         b.error = exc
+                    b.read_s = time.perf_counter() - started
                 else:
-                    b.job = self.transfer.submit("load", Reader(tier.medium, items), b.tier)
+                    job = Reader(tier.medium, items, b)
+                    b.job = self.transfer.submit("load", job, b.tier)
                     self._load_jobs.add(b.job)
             return PendingLoad(batches, len(plan))
 
@@ -275,14 +281,32 @@ class TierChain:
             loaded = 0
             try:
                 for b in pending.batches:
+                    started = time.perf_counter()
+                    want = len(b.keys)
                     got = self._install(b)
                     loaded += got
-                    if got < len(b.keys):
+                    if got:
+                        name = self.tiers[b.tier].name
+                        by_tier = pending.loaded_by_tier
+                        by_tier[name] = by_tier.get(name, 0) + got
+                    if got < want:
                         break
+                    self._observe_load(b, b.read_s + time.perf_counter() - started)
             finally:
                 for b in pending.batches:
                     self.tiers[b.tier].offload_manager.complete_load(b.keys)
             return loaded
+
+    def _observe_load(self, b: LoadBatch, seconds: float) -> None:
+        """Tell :attr:`on_load` what a whole batch cost (read and install)."""
+        listener = self.on_load
+        tier = self.tiers[b.tier]
+        if listener is None or tier.fmt is None or not b.keys:
+            return
+        try:
+            listener(tier.name, len(b.keys), len(b.keys) * tier.fmt.blob_size, seconds)
+        except Exception:  # a listener's failure never fails a load
+            log.exception("the load listener failed")
 
     def _install(self, b: LoadBatch) -> int:
         """Verify and write ``b``'s payloads into device blocks; returns the leading count."""

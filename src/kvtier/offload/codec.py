@@ -16,6 +16,14 @@ payload seeded with the key, and ends with a checksum of its own bytes. So a
 truncated file, a flipped bit, a block read back under another key, or one
 written for another model layout fails :func:`verify` with a
 :class:`~kvtier.CorruptBlockError`; tiers count that and treat it as a miss.
+
+A medium that is this process's own memory (the host tier) may store a
+payload *unchecked* (:data:`FLAG_UNCHECKED` in the header, no payload
+checksum): nothing outside the process writes those bytes, so a checksum
+would guard them against nothing the device's own blocks are not exposed to
+as well, and it costs as much as the copy. The header is still checked
+(key, layout, length), and an unchecked header is accepted only from such a
+medium (``in_process=True``); anywhere else it is corrupt.
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ from kvtier.errors import ConfigError, CorruptBlockError
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVTB"
-# magic, version, codec id, dtype id, ndim, 6 dims, key (lo, hi), payload length, checksum
-_HEAD = struct.Struct("<4sHBBB3x6I2QQQ")
+# magic, version, codec id, dtype id, ndim, flags, 6 dims, key (lo, hi), payload length,
+# checksum. The flags byte was padding before it had a use, so older headers read as 0.
+_HEAD = struct.Struct("<4sHBBBB2x6I2QQQ")
+#: Header flag: the payload carries no checksum (an in-process medium stored it).
+FLAG_UNCHECKED = 1
 _CHECK = struct.Struct("<I")
 #: Bytes of a stored block's header.
 HEADER_SIZE = _HEAD.size + _CHECK.size
@@ -177,6 +188,12 @@ class BlockHeader:
     payload_len: int
     checksum: int
     version: int = FORMAT_VERSION
+    flags: int = 0
+
+    @property
+    def unchecked(self) -> bool:
+        """Whether the payload was stored without a checksum (an in-process medium)."""
+        return bool(self.flags & FLAG_UNCHECKED)
 
     def pack(self) -> bytes:
         dims = list(self.shape) + [0] * (6 - len(self.shape))
@@ -186,6 +203,7 @@ class BlockHeader:
             self.codec_id,
             _DTYPES[self.dtype],
             len(self.shape),
+            self.flags,
             *dims,
             self.key & _MASK64,
             (self.key >> 64) & _MASK64,
@@ -203,7 +221,7 @@ class BlockHeader:
         (check,) = _CHECK.unpack_from(data, _HEAD.size)
         if xxhash.xxh32_intdigest(head) != check:
             raise CorruptBlockError("stored block header fails its checksum")
-        magic, version, codec_id, dtype_id, ndim, *rest = _HEAD.unpack(head)
+        magic, version, codec_id, dtype_id, ndim, flags, *rest = _HEAD.unpack(head)
         if magic != _MAGIC:
             raise CorruptBlockError("stored block does not start with the kvtier magic")
         if version != FORMAT_VERSION:
@@ -221,6 +239,7 @@ class BlockHeader:
             payload_len=payload_len,
             checksum=checksum,
             version=version,
+            flags=flags,
         )
 
 
@@ -436,8 +455,14 @@ def header_for(
     dtype: torch.dtype,
     payload_len: int,
     checksum: int,
+    *,
+    unchecked: bool = False,
 ) -> bytes:
-    """The packed header of a payload whose length and :func:`payload_checksum` are known."""
+    """The packed header of a payload whose length and :func:`payload_checksum` are known.
+
+    ``unchecked``: the payload is stored without a checksum (``checksum`` is
+    ignored); only an in-process medium may say so (see the module docstring).
+    """
     ndim = len(block_shape)
     if not 0 < ndim <= 6:
         raise ConfigError(f"a stored block has 1 to 6 dimensions, got shape {list(block_shape)}")
@@ -447,12 +472,13 @@ def header_for(
         codec.codec_id,
         _DTYPES[dtype],
         ndim,
+        FLAG_UNCHECKED if unchecked else 0,
         *block_shape,
         *_ZEROS[ndim:],
         key & _MASK64,
         (key >> 64) & _MASK64,
         payload_len,
-        checksum,
+        0 if unchecked else checksum,
     )
     return head + _CHECK.pack(xxhash.xxh32_intdigest(head))
 
@@ -476,14 +502,19 @@ def verify(
     key: int,
     block_shape: tuple[int, ...],
     dtype: torch.dtype,
+    *,
+    in_process: bool = False,
 ) -> Codec:
     """Check a stored block against what the reader expects; returns its codec.
 
     Raises :class:`CorruptBlockError` on any mismatch: the block must then
-    be dropped and recomputed, never served.
+    be dropped and recomputed, never served. ``in_process``: the block comes
+    from this process's own memory, where an unchecked payload is accepted.
     """
-    codec, checksum = check_header(header, key, block_shape, dtype, int(payload.numel()))
-    if payload_checksum(key, as_buffer(payload)) != checksum:
+    codec, checksum = check_header(
+        header, key, block_shape, dtype, int(payload.numel()), in_process=in_process
+    )
+    if checksum is not None and payload_checksum(key, as_buffer(payload)) != checksum:
         raise CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
     return codec
 
@@ -494,14 +525,20 @@ def check_header(
     block_shape: tuple[int, ...],
     dtype: torch.dtype,
     payload_len: int,
-) -> tuple[Codec, int]:
+    *,
+    in_process: bool = False,
+) -> tuple[Codec, int | None]:
     """:func:`verify` without the payload's checksum: returns the codec and the checksum
-    the payload must have.
+    the payload must have (``None``: an unchecked payload from an ``in_process`` medium).
 
     For readers that hash many payloads at once (:func:`payload_checksum` on a
     pool); a payload is verified only once its checksum matched as well.
     """
     h = BlockHeader.unpack(header)
+    if h.unchecked and not in_process:
+        # Only this process's own memory may hold unchecked payloads: one read from
+        # a file or a server was written by someone who had to checksum it.
+        raise CorruptBlockError(f"stored block {key:#x} has no payload checksum")
     if h.key != key:
         raise CorruptBlockError(f"stored block names key {h.key:#x}, expected {key:#x}")
     if h.dtype != dtype or h.shape != tuple(block_shape):
@@ -515,4 +552,4 @@ def check_header(
         raise CorruptBlockError(
             f"stored block payload is {payload_len} bytes, header says {h.payload_len}"
         )
-    return codec, h.checksum
+    return codec, None if h.unchecked else h.checksum

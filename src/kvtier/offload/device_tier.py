@@ -9,9 +9,9 @@ Like every tier it is driven by an :class:`~kvtier.offload.OffloadingManager`
 with any kvtier policy, and what it evicts moves down to the next tier.
 
 It is the host medium on another device: slot ``i`` of the tensor holds one
-payload, headers live beside it, and every load checks the payload's
-checksum (on a GPU that reads the payload back to the host: correctness
-over the last microseconds).
+payload, headers live beside it. Like the host tier's, its payloads are
+this process's own memory and are stored unchecked by a tier of the chain
+(the header, with the key and layout, is still checked on every load).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class DeviceStore(HostStore):
     """Encoded blocks in one tensor ``[capacity, payload_size]`` on ``device``."""
 
     name = "device"
-    caps = MediumCaps(background=False)
+    caps = MediumCaps(background=False, in_process=True)
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         super().__init__(pin_memory=False)

@@ -3,18 +3,29 @@
 For KV blocks (one size), slot ``i`` of one preallocated byte array holds
 one block's encoded payload; its header lives beside it in a list. For
 items of any size (encoder outputs), each item gets a tensor of its own.
-Storing copies the payload into host memory (from the device, or from
-wherever the codec produced it) and checksums the copy that now sits there;
-loading checks that checksum before the payload is handed back, so a slot
-overwritten by mistake is caught as well.
+
+What a checksum here would guard against decides whether there is one. The
+slots are this process's own memory: no other process, disk or network
+writes them, so a payload checksum would catch only what the device's own
+blocks are just as exposed to (a stray write in this process, a memory
+fault), at the price of hashing every byte on store and on load (about as
+much as the copy). So a tier of the chain stores KV blocks *unchecked*
+(``checksums=False``, what :class:`~kvtier.offload.tier.Tier` asks of an
+in-process medium): a store is one copy per run of blocks and a header, a
+load one copy. The header is still written and checked (key, layout,
+codec, length), so a slot handed out twice or read under another key is
+caught. Media that leave the process (disk, Redis, Mooncake) keep their
+checksums; so do this medium's items of any size and its other users
+(``checksums=True``, the default).
 
 A batch is stored with as few copies as its layout allows (blocks that lie
 back to back on the device and land in consecutive slots move together),
-all issued at once on the current CUDA stream; each chunk's checksums are
-taken once its event fires, on the checksum pool for large batches, so
-hashing one chunk overlaps the copies of the next. Payloads already in host
-memory are copied and hashed in one pass per item, a cache-sized chunk at a
-time (:func:`~kvtier.offload.codec.copy_checksum`), as nothing would overlap.
+all issued at once on the current CUDA stream. With checksums, each chunk's
+checksums are taken once its event fires, on the checksum pool for large
+batches, so hashing one chunk overlaps the copies of the next; payloads
+already in host memory are copied and hashed in one pass per item, a
+cache-sized chunk at a time (:func:`~kvtier.offload.codec.copy_checksum`),
+as nothing would overlap.
 """
 
 from __future__ import annotations
@@ -40,11 +51,14 @@ class HostStore:
     """
 
     name = "host"
-    caps = MediumCaps(background=False)
+    caps = MediumCaps(background=False, in_process=True)
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, checksums: bool = True) -> None:
         #: Pin when CUDA is present, so device copies can run asynchronously.
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        #: Whether fixed-size items (KV blocks) get a payload checksum (see the module
+        #: docstring); a tier of the chain turns it off.
+        self.checksums = checksums
         self._bound = False
         self._rows = torch.empty((0, 0), dtype=torch.uint8)
         self._headers: list[bytes | None] = []
@@ -104,6 +118,9 @@ class HostStore:
             dsts.append(rows[slot, : flat.numel()])
         keys = [k for k, _, _, _ in items]
         lengths = [int(t.numel()) for t in srcs]
+        if not self.checksums:
+            self._copy_rows(items, srcs, dsts, lengths)
+            return
         if all(t.device.type == "cpu" for t in srcs):
             # From host memory the copies are synchronous and nothing overlaps them:
             # each item is copied and hashed in one pass, a cache-sized chunk at a
@@ -143,6 +160,27 @@ class HostStore:
                 headers[slot] = header_for(
                     fmt.codec, keys[i], fmt.shape, fmt.dtype, lengths[i], checksum
                 )
+
+    def _copy_rows(
+        self,
+        items: Sequence[PutItem],
+        srcs: list[torch.Tensor],
+        dsts: list[torch.Tensor],
+        lengths: list[int],
+    ) -> None:
+        """Store unchecked: one copy per run of blocks (back to back on both sides)."""
+        devices: set[torch.device] = set()
+        for start, n in runs(srcs, dsts):
+            src = span(srcs, start, n)
+            on_device = src.device.type != "cpu"
+            span(dsts, start, n).copy_(src, non_blocking=on_device)
+            if on_device:
+                devices.add(src.device)
+        for device in devices:  # the slots are readable once the header says so
+            torch.cuda.current_stream(device).synchronize()
+        headers = self._headers
+        for (key, slot, _, fmt), n in zip(items, lengths, strict=True):
+            headers[slot] = header_for(fmt.codec, key, fmt.shape, fmt.dtype, n, 0, unchecked=True)
 
     def _put_items(self, items: Sequence[PutItem]) -> None:
         store = self._items

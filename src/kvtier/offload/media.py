@@ -88,6 +88,10 @@ class MediumCaps:
     #: :meth:`BlockStore.purge` deletes a block for every user of the medium
     #: (``delete`` may leave a shared copy in place).
     purge: bool = False
+    #: Its bytes are this process's own memory (host or device tensors): nothing
+    #: outside the process writes them, so its payloads may be stored unchecked
+    #: (:data:`~kvtier.offload.codec.FLAG_UNCHECKED`) and are read back as such.
+    in_process: bool = False
 
 
 class BlockStore(Protocol):

@@ -18,6 +18,9 @@ asked the kernel to fetch the files (:class:`~kvtier.offload.media.ReadsInto`).
 A raw block that fails its checks after landing is zero-filled at once (as
 is any block a parallel read got to past it), and the load stops there:
 none of its bytes stay in the device, and they never count as loaded.
+Payloads an in-process medium (the host tier) stored unchecked have only
+their headers checked and are copied without hashing (see
+:mod:`kvtier.offload.host` for why).
 
 Otherwise (device blocks on a GPU) a large batch's checksums are taken on the
 checksum pool, a run of payloads per task, while the runs already verified
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import cast
@@ -53,7 +57,17 @@ from kvtier.offload.codec import (
 )
 from kvtier.offload.media import BlockStore, ItemFormat, ReadsInto, Stored
 from kvtier.offload.tier import Tier, TierCounters
-from kvtier.offload.transfer import Part, checksums, chunks, parallel_worth, runs, span
+from kvtier.offload.transfer import (
+    Done,
+    Part,
+    checksums,
+    chunks,
+    follows,
+    parallel_worth,
+    place,
+    runs,
+    span,
+)
 from kvtier.storage import KVBlockStorage
 
 
@@ -85,6 +99,8 @@ class LoadBatch:
     job: int = -1
     stored: Fetched | None = None
     error: BaseException | None = None
+    #: Seconds the medium took to read the batch (on whichever thread read it).
+    read_s: float = 0.0
 
 
 @dataclass
@@ -94,6 +110,8 @@ class PendingLoad:
     batches: list[LoadBatch]
     #: Blocks the tiers held when the load began (the most it can bring in).
     num_blocks: int
+    #: Once finished: the blocks each tier gave (by tier name).
+    loaded_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 def plan_batches(plan: list[int], keys: Sequence[int], blocks: Sequence[int]) -> list[LoadBatch]:
@@ -158,7 +176,10 @@ def _install_inline(
     direct = storage.tensor if storage.layout_kind == "block" and storage.codec is None else None
     writer = _Writer(storage, tier)
     if not isinstance(source, DeferredRead):
-        for i, item in enumerate(source):
+        first = 0
+        if direct is not None and writer.in_process:
+            first = _copy_unchecked(c, direct, keys, blocks, source, fmt)
+        for i, item in enumerate(source[first:], first):
             if item is None:
                 c.vanished_blocks += 1
                 return Installed(i, keys[i])
@@ -210,6 +231,48 @@ def _install_inline(
             c.corrupt_blocks += 1
             return Installed(i, key, stop)
     return Installed(len(keys))
+
+
+def _copy_unchecked(
+    c: TierCounters,
+    direct: torch.Tensor,
+    keys: list[int],
+    blocks: list[int],
+    source: list[Stored | None],
+    fmt: ItemFormat,
+) -> int:
+    """The leading raw payloads an in-process medium stored unchecked, into their device
+    blocks: every header checked first, then one copy per run of blocks (back to back on
+    both sides). Returns how many; the caller takes it from the first other item."""
+    size = fmt.payload_size
+    if not direct.is_contiguous() or direct[0].numel() * direct.element_size() != size:
+        return 0
+    srcs: list[torch.Tensor] = []
+    for key, item in zip(keys, source, strict=True):
+        if item is None:
+            break
+        header, payload = item
+        try:
+            codec, checksum = check_header(
+                header, key, fmt.shape, fmt.dtype, int(payload.numel()), in_process=True
+            )
+        except CorruptBlockError:
+            break
+        if checksum is not None or codec.codec_id != RawCodec.codec_id:
+            break
+        srcs.append(payload)
+    memory = direct.view(-1).view(torch.uint8)
+    where = [place(p) for p in srcs]
+    start = 0
+    for i in range(1, len(srcs) + 1):
+        if i < len(srcs) and blocks[i] == blocks[i - 1] + 1 and follows(where[i - 1], where[i]):
+            continue
+        first = blocks[start]
+        memory[first * size : (first + i - start) * size].copy_(span(srcs, start, i - start))
+        start = i
+    c.loaded_blocks += len(srcs)
+    c.loaded_bytes += len(srcs) * size
+    return len(srcs)
 
 
 def _read_blocks(
@@ -316,19 +379,23 @@ def _install_one(
     that stopped it, if any (the device block then holds nothing of it)."""
     header, payload = got
     try:
-        codec, checksum = check_header(header, key, shape, dtype, int(payload.numel()))
+        codec, checksum = check_header(
+            header, key, shape, dtype, int(payload.numel()), in_process=writer.in_process
+        )
     except CorruptBlockError as exc:
         return exc
     if direct is not None and codec.codec_id == RawCodec.codec_id:
         dst = direct[block]
-        if copy_checksum(key, payload, dst.view(-1).view(torch.uint8)) != checksum:
+        if checksum is None:  # in-process memory, stored unchecked: a plain copy
+            dst.view(-1).view(torch.uint8).copy_(payload)
+        elif copy_checksum(key, payload, dst.view(-1).view(torch.uint8)) != checksum:
             dst.zero_()
             return CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
         c.loaded_blocks += 1
         c.loaded_bytes += int(payload.numel())
         return None
     # Hashed first, then decoded from cache: nothing unverified is decoded.
-    if payload_checksum(key, as_buffer(payload)) != checksum:
+    if checksum is not None and payload_checksum(key, as_buffer(payload)) != checksum:
         return CorruptBlockError(f"stored block {key:#x} fails its payload checksum")
     writer.add(codec, block, payload)
     writer.flush()
@@ -345,33 +412,44 @@ def _install_batched(
     keys = batch.keys
     # Headers first, in order, up to the first item missing or with a bad header.
     stop: Installed | None = None
-    expected: list[tuple[Codec, int]] = []
+    expected: list[tuple[Codec, int | None]] = []
     payloads: list[torch.Tensor] = []
+    in_process = tier.medium.caps.in_process
     for key, got in zip(keys, stored, strict=True):
         if got is None:
             stop = Installed(0, key)
             break
         header, payload = got
         try:
-            expected.append(check_header(header, key, fmt.shape, fmt.dtype, int(payload.numel())))
+            expected.append(
+                check_header(
+                    header, key, fmt.shape, fmt.dtype, int(payload.numel()), in_process=in_process
+                )
+            )
         except CorruptBlockError as exc:
             stop = Installed(0, key, exc)
             break
         payloads.append(payload)
     lengths = [int(p.numel()) for p in payloads]
-    parallel = parallel_worth(sum(lengths))
-    pending = []
-    for first, count in chunks(lengths):
-        parts: list[Part] = []
-        for start, n in runs(payloads[first : first + count]):
-            at = first + start
-            parts.append((span(payloads, at, n), keys[at : at + n], lengths[at : at + n]))
-        pending.append((first, checksums(parts, parallel=parallel)))
+    pending: list[tuple[int, Future[list[int]] | Done]] = []
+    if all(sum_ is None for _, sum_ in expected):
+        # Unchecked payloads of an in-process medium: nothing to hash, only to copy.
+        if payloads:
+            pending.append((0, Done([0] * len(payloads))))
+    else:
+        parallel = parallel_worth(sum(lengths))
+        for first, count in chunks(lengths):
+            parts: list[Part] = []
+            for start, n in runs(payloads[first : first + count]):
+                at = first + start
+                parts.append((span(payloads, at, n), keys[at : at + n], lengths[at : at + n]))
+            pending.append((first, checksums(parts, parallel=parallel)))
     writer = _Writer(storage, tier)
     try:
         for n, (first, sums) in enumerate(pending):
             for i, got_sum in enumerate(sums.result(), first):
-                if got_sum != expected[i][1]:
+                want = expected[i][1]
+                if want is not None and got_sum != want:
                     for _, later in pending[n + 1 :]:
                         later.cancel()
                     writer.flush()
@@ -400,6 +478,8 @@ class _Writer:
         self.counters = tier.counters
         assert tier.fmt is not None
         self.fmt = tier.fmt
+        #: The medium is this process's memory: its unchecked payloads are accepted.
+        self.in_process = tier.medium.caps.in_process
         self.native = storage.codec
         # Block-contiguous storage takes verified blocks with plain copies; the
         # block ids come from the manager, so import_blocks' checks are moot.
@@ -461,18 +541,26 @@ class _Writer:
 
 
 class Reader:
-    """A load job for the transfer engine: read items from a medium."""
+    """A load job for the transfer engine: read items from a medium (timed into ``batch``)."""
 
-    def __init__(self, medium: BlockStore, items: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, medium: BlockStore, items: list[tuple[int, int]], batch: LoadBatch | None = None
+    ) -> None:
         self.medium = medium
         self.items = items
+        self.batch = batch
 
     def __call__(self) -> Fetched:
         medium = self.medium
-        if getattr(medium, "defer_reads", False):
-            # Read at install, straight into the device blocks; until then the
-            # kernel fetches the files (a no-op for those in the page cache).
-            reads = cast(ReadsInto, medium)
-            reads.prefetch(self.items)
-            return DeferredRead(reads, self.items)
-        return medium.get(self.items)
+        started = time.perf_counter()
+        try:
+            if getattr(medium, "defer_reads", False):
+                # Read at install, straight into the device blocks; until then the
+                # kernel fetches the files (a no-op for those in the page cache).
+                reads = cast(ReadsInto, medium)
+                reads.prefetch(self.items)
+                return DeferredRead(reads, self.items)
+            return medium.get(self.items)
+        finally:
+            if self.batch is not None:
+                self.batch.read_s = time.perf_counter() - started

@@ -16,8 +16,10 @@ class and its registration line::
 The built-in media: ``device`` (compressed blocks in the device's memory),
 ``host`` (memory), ``disk`` (a directory),
 ``redis`` (a server: ``redis://``, ``rediss://``, ``unix://``),
-``redis+cluster`` (a Redis Cluster) and ``mooncake`` (a Mooncake Store pool:
-``mooncake://MASTER_HOST:PORT``).
+``redis+cluster`` (a Redis Cluster), ``mooncake`` (a Mooncake Store pool:
+``mooncake://MASTER_HOST:PORT``) and ``throttled`` (items in this process
+behind a paced link: ``throttled:NAME?latency_ms=20&mb_s=3``, to see how a
+slow tier behaves).
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ def _builtins() -> None:
         return
     _loaded = True
     from kvtier.offload.mooncake_store import make_mooncake_store, probe_mooncake
+    from kvtier.offload.throttled import make_throttled_store
 
     for name, entry in (
         ("host", _Entry(_host, None, ())),
@@ -240,6 +243,7 @@ def _builtins() -> None:
             _Entry(lambda loc, opts: _redis_store(loc, opts, True), _redis_probe(True), ()),
         ),
         ("mooncake", _Entry(make_mooncake_store, probe_mooncake, ())),
+        ("throttled", _Entry(make_throttled_store, None, ())),
     ):
         if name not in _MEDIA:  # a plugin registered first keeps its override
             _MEDIA[name] = entry

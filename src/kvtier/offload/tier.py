@@ -4,7 +4,8 @@ A :class:`Tier` is a :class:`~kvtier.offload.core.TierCore` (medium, offloading
 manager, health) plus what the chain needs to move device blocks: the codec
 its blocks are stored in, the item format the chain binds it to, whether it
 takes blocks as they are computed (write-through) or as the level above
-evicts them (write-back), and the counters exported as metrics.
+evicts them (write-back), whether its payloads carry checksums, and the
+counters exported as metrics.
 """
 
 from __future__ import annotations
@@ -61,8 +62,22 @@ class Tier(TierCore):
         codec: str | Codec = "raw",
         name: str | None = None,
         write_mode: str | None = None,
+        checksums: bool | None = None,
     ) -> None:
         super().__init__(store, capacity_blocks, policy, name=name)
+        in_process = store.caps.in_process
+        if checksums is None:
+            # A checksum guards what another process, a disk or a network may damage;
+            # the process's own memory is as safe as the device's blocks are.
+            checksums = not in_process
+        if not checksums and not in_process:
+            raise ConfigError(
+                f"the {store.name} medium leaves this process: its payloads keep their checksums"
+            )
+        #: Whether this tier's payloads carry checksums (off: an in-process medium, unchecked).
+        self.checksums = checksums
+        if hasattr(store, "checksums"):
+            store.checksums = checksums
         self.codec = make_codec(codec)
         self.counters = TierCounters()
         #: The format of this tier's blocks (set when the chain binds it).

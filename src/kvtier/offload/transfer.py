@@ -164,17 +164,24 @@ class TransferEngine:
         self._pool.shutdown(wait=True)
 
 
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether 1-D uint8 ``b`` starts where ``a`` ends, in the same storage."""
-    return (
-        b.storage_offset() == a.storage_offset() + a.numel()
-        and b.device == a.device
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    )
+#: Where a 1-D contiguous uint8 tensor's bytes are: device, storage address, offset, length.
+Place = tuple[torch.device, int, int, int]
 
 
-def _flat(t: torch.Tensor) -> bool:
-    return t.dtype == torch.uint8 and t.dim() == 1 and t.stride(0) == 1
+def place(t: torch.Tensor) -> Place | None:
+    """Where ``t``'s bytes lie, if it is 1-D contiguous uint8 (else ``None``: it runs alone).
+
+    Read once per tensor: finding runs in a batch of hundreds of blocks then
+    costs a few integer comparisons per block, not a dozen tensor queries.
+    """
+    if t.dtype != torch.uint8 or t.dim() != 1 or t.stride(0) != 1:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), int(t.storage_offset()), t.numel())
+
+
+def follows(a: Place | None, b: Place | None) -> bool:
+    """Whether ``b``'s bytes start where ``a``'s end, in the same storage."""
+    return a is not None and b is not None and b[2] == a[2] + a[3] and a[1] == b[1] and a[0] == b[0]
 
 
 def runs(
@@ -189,16 +196,18 @@ def runs(
     ``second``) starts where the one before ends, in the same storage; a
     run stops before it would pass ``limit`` bytes of ``first``.
     """
+    a = [place(t) for t in first]
+    b = None if second is None else [place(t) for t in second]
     out: list[tuple[int, int]] = []
     start, size = 0, 0
     for i, t in enumerate(first):
-        n = int(t.numel())
+        here = a[i]
+        n = here[3] if here is not None else int(t.numel())
         if (
             i > start
             and size + n <= limit
-            and _flat(t)
-            and _follows(first[i - 1], t)
-            and (second is None or (_flat(second[i]) and _follows(second[i - 1], second[i])))
+            and follows(a[i - 1], here)
+            and (b is None or follows(b[i - 1], b[i]))
         ):
             size += n
             continue

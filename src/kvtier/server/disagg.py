@@ -271,6 +271,9 @@ class Disaggregation:
         )
         self.counters = PdCounters()
         self._shared = _has_shared_tier(engine)
+        if self.role == "decode":
+            # The prefill side computed the prompt: load its KV rather than compute it again.
+            engine.connector.load_all = True
         self._warned_mismatch = False
 
     # -- a request arrives ---------------------------------------------------------------

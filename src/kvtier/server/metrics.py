@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import (
 )
 
 from kvtier.engine.engine import Engine
+from kvtier.engine.request import cached_by_source
 from kvtier.engine.worker import EngineWorker
 from kvtier.errors import KvTierError
 from kvtier.manager import CacheStats
@@ -83,6 +84,12 @@ class EngineSnapshot:
     window: WindowSlabStats | None = None
     #: Requests preempted to recompute because a window slot they read was reclaimed.
     window_recomputes: int = 0
+    #: Cached prompt tokens by where they came from: ``device`` (the pool) and each tier.
+    cached_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Prompt tokens a tier held that the load-or-recompute plan computed instead.
+    recomputed_tier_tokens: int = 0
+    #: The learned load and prefill costs (:meth:`kvtier.costs.CostModel.stats`).
+    costs: dict[str, Any] | None = None
 
 
 def snapshot_engine(engine: Engine) -> EngineSnapshot:
@@ -114,6 +121,9 @@ def snapshot_engine(engine: Engine) -> EngineSnapshot:
         if isinstance(engine.storage, WindowedKVStorage)
         else None,
         window_recomputes=c.window_recomputes,
+        cached_by_source=cached_by_source(c.cached_prompt_tokens, c.tier_hit_tokens),
+        recomputed_tier_tokens=c.recomputed_tier_tokens,
+        costs=engine.connector.costs.stats(),
     )
 
 
@@ -247,10 +257,75 @@ def metric_families(snap: EngineSnapshot) -> list[Metric]:
         families.append(
             _gauge("kvtier_kv_block_size_tokens", "Tokens a KV block holds.", snap.block_size)
         )
+    by_source = _labelled_counter(
+        "kvtier_prompt_tokens_cached_by_source_total",
+        "Cached prompt tokens by where they came from: the device pool or a tier below it.",
+        "source",
+    )
+    for source, n in sorted(snap.cached_by_source.items()):
+        _add(by_source, n, source=source)
+    families.append(by_source)
+    families.append(
+        _counter(
+            "kvtier_prompt_tokens_recomputed_from_tier_total",
+            "Prompt tokens a tier held that were computed, because computing them was cheaper.",
+            snap.recomputed_tier_tokens,
+        )
+    )
     families += window_families(snap.window, snap.window_recomputes)
     families += tier_families(snap.tiers)
+    families += cost_families(snap.costs)
     families += pressure_families(snap.pressure, snap.stats.pressure_evictions)
     families += encoder_cache_families(snap.encoder_cache)
+    return families
+
+
+def cost_families(costs: dict[str, Any] | None) -> list[Metric]:
+    """The learned costs: per tier load latency and bandwidth, prefill per token, plans made."""
+    if costs is None:
+        return []
+    latency = _labelled_gauge(
+        "kvtier_tier_load_latency_seconds", "Learned seconds every load from a tier pays.", "tier"
+    )
+    bandwidth = _labelled_gauge(
+        "kvtier_tier_load_bandwidth_bytes_per_second",
+        "Learned bytes per second a load from a tier moves (absent: too fast to measure).",
+        "tier",
+    )
+    loads = _labelled_counter(
+        "kvtier_tier_load_observations_total", "Loads the cost model learned from.", "tier"
+    )
+    for name, t in sorted(costs["tiers"].items()):
+        _add(latency, t["latency_s"], tier=name)
+        if t["bandwidth_bytes_per_s"] is not None:
+            _add(bandwidth, t["bandwidth_bytes_per_s"], tier=name)
+        _add(loads, t["loads"], tier=name)
+    plans = _labelled_counter(
+        "kvtier_load_plans_total",
+        "Requests with a tier hit, by plan: load it all, load part and compute the rest, "
+        "or recompute it.",
+        "plan",
+    )
+    for plan, n in sorted(costs["plans"].items()):
+        _add(plans, n, plan=plan)
+    families: list[Metric] = [latency, bandwidth, loads, plans]
+    prefill = costs["prefill"]
+    if prefill is not None:
+        per_token = _labelled_gauge(
+            "kvtier_prefill_seconds_per_token",
+            "Learned seconds one more prompt token costs at a context length.",
+            "context",
+        )
+        for context, v in prefill["per_token_s_at_context"].items():
+            _add(per_token, v, context=context)
+        families += [
+            per_token,
+            _gauge(
+                "kvtier_prefill_pass_overhead_seconds",
+                "Learned seconds a forward pass costs whatever it computes.",
+                prefill["overhead_s"],
+            ),
+        ]
     return families
 
 

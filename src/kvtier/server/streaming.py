@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.engine import RequestOutput
+from kvtier.engine.request import cached_by_source
 from kvtier.engine.sampling import TokenLogprob
 from kvtier.engine.worker import RequestHandle
 from kvtier.server.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -40,7 +41,11 @@ def usage_body(outs: list[RequestOutput]) -> dict[str, Any]:
         "prompt_tokens": m.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": m.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": m.cached_tokens,
+            # kvtier's extension: where the cached tokens came from (the pool, each tier).
+            "kvtier_cached_tokens_by_source": cached_by_source(m.cached_tokens, m.tier_tokens),
+        },
     }
 
 
