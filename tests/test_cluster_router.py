@@ -219,6 +219,84 @@ def test_round_robin_behind_sglang_router_alternates_instances(
         assert _stop(cluster) == 0
 
 
+# -- vllm-router's kv_aware on the instances' KV events ----------------------------------------
+
+#: Two conversations, each seeded on its own instance before the router sees a turn of it.
+CONVERSATIONS = (
+    "Tell me about the lighthouse keeper's letters and the ships they name. " * 3,
+    "Describe the glassblower's workshop, its furnace and every tool on the wall. " * 3,
+)
+
+
+def _turn(history: list[dict[str, str]], reply: Any, text: str) -> list[dict[str, str]]:
+    said = reply.choices[0].message.content or ""
+    return [*history, {"role": "assistant", "content": said}, {"role": "user", "content": text}]
+
+
+def _wait_for_events(cluster: Cluster, instance: str, timeout: float = 60) -> None:
+    """Wait until the router's log shows a batch of ``instance``'s KV events applied."""
+    seen = f"kv_index live sequence advanced source={instance} "
+    deadline = time.monotonic() + timeout
+    while seen not in cluster.log.read_text(errors="replace"):
+        assert cluster.proc.poll() is None, cluster.log.read_text()
+        assert time.monotonic() < deadline, f"no KV events of {instance} reached the router"
+        time.sleep(0.1)
+
+
+def test_kv_aware_sends_a_conversations_later_turns_where_its_kv_is(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cluster = _start(
+        tmp_path,
+        "--model", str(model_dir),
+        "--router", "vllm",
+        "--policy", "kv_aware",
+        # The router's debug log says when an instance's events reached its index.
+        "--verbose", "--router-arg=--log-level=debug",
+        "--", "--block-size", "4", "--pressure", "off",
+    )  # fmt: skip
+    try:
+        assert len(cluster.instances) == 2
+        histories: list[list[dict[str, str]]] = []
+        replies = []
+        # Each conversation's first turn goes straight to its own instance, not through
+        # the router: only the KV events can tell the router where it is.
+        for url, text in zip(cluster.instances, CONVERSATIONS, strict=True):
+            direct = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            history = [{"role": "user", "content": text}]
+            replies.append(_chat_messages(direct, cluster.model, history))
+            histories.append(history)
+        for url in cluster.instances:
+            _wait_for_events(cluster, url)
+        client = cluster.client()
+        for round_ in range(2):
+            for home, (history, reply) in enumerate(zip(histories, replies, strict=True)):
+                history = _turn(history, reply, f"And then, part {round_ + 2}?")
+                before = cluster.stats()
+                reply = _chat_messages(client, cluster.model, history)
+                after = cluster.stats()
+                added = [
+                    a["requests_added"] - b["requests_added"]
+                    for a, b in zip(after, before, strict=True)
+                ]
+                assert added[home] == 1 and sum(added) == 1, (home, round_, added)
+                # The conversation so far was cached there: all but the last partial block.
+                previous = replies[home].usage.prompt_tokens
+                assert reply.usage.prompt_tokens_details.cached_tokens >= previous - 4
+                histories[home], replies[home] = history, reply
+        # The router said so itself: its last decision credited a cached prefix.
+        last = cluster.log.read_text().split("KV prefix decision")[-1]
+        assert "credited_prefix_tokens=0 " not in last.splitlines()[0]
+    finally:
+        assert _stop(cluster) == 0
+
+
+def _chat_messages(client: Any, model: str, messages: list[dict[str, str]]) -> Any:
+    return client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0
+    )
+
+
 # -- errors, without starting anything ------------------------------------------------------
 
 
@@ -236,7 +314,16 @@ def test_a_missing_router_package_says_what_to_install() -> None:
 
 def test_a_policy_the_router_lacks_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"no routing policy 'kv_aware'.*cache_aware"):
-        check_router(ROUTERS["vllm"], "kv_aware")
+        check_router(ROUTERS["sglang"], "kv_aware")
+
+
+def test_kv_aware_refuses_what_it_cannot_wire(capsys: pytest.CaptureFixture[str]) -> None:
+    # The cluster gives each instance its own event endpoint ...
+    assert main(["cluster", "--policy", "kv_aware", "--", "--kv-events", "tcp://*:1"]) == 1
+    assert "drop --kv-events" in capsys.readouterr().err
+    # ... and vllm-router's P/D mode would need the prefill instances' events wired too.
+    assert main(["cluster", "--policy", "kv_aware", "--pd", "--start-redis"]) == 1
+    assert "--pd with kv_aware" in capsys.readouterr().err
 
 
 def test_start_redis_without_redis_server_says_how_to_get_it(

@@ -9,7 +9,11 @@ from PyPI in front of them: vLLM's ``vllm-router`` (the default) or SGLang's
 (approximate prefix tree) routing. It prints the router's URL, relays every
 child's output prefixed with its name, and on Ctrl-C (or SIGTERM) stops the
 router, then the instances, then Redis. If any child dies, the others are
-stopped and the command exits with status 1. With ``--pd`` the instances
+stopped and the command exits with status 1. With vllm-router's ``kv_aware``
+policy each instance publishes its KV events on a free port (``--kv-events
+tcp://HOST:0``; its banner says which) and the router subscribes to them
+(``--kv-event-source``), so it routes on what each instance really holds.
+With ``--pd`` the instances
 split into prefill and decode roles (``kvtier serve --role``) behind
 vllm-router's prefill/decode mode, handing each prompt's KV over through
 the shared Redis (:mod:`kvtier.server.disagg`).
@@ -36,6 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +58,10 @@ STOP_GRACE_S = 15.0
 TAIL_LINES = 40
 
 _SERVING = re.compile(r"^kvtier: serving (?P<name>.+) at (?P<url>\S+)/v1\b")
+#: The banner lines of an instance that vllm-router's kv_aware policy needs: where its KV
+#: events are published (the port it bound) and its block size.
+_EVENTS_AT = re.compile(r"KV events \(vLLM's format\) published on (?P<endpoint>tcp://\S+)")
+_BLOCKS = re.compile(r"KV cache: \d+ blocks of (?P<size>\d+) tokens")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Router lines relayed without --verbose: the routers log every start step at INFO
 #: whatever their --log-level says.
@@ -83,6 +92,7 @@ ROUTERS: dict[str, RouterKind] = {
             "power_of_two",
             "consistent_hash",
             "sticky_least_loaded",
+            "kv_aware",
         ),
         quiet_level="warning",
     ),
@@ -116,6 +126,10 @@ routing (--routing):
                 and sends a request to the instance with the longest match, unless the
                 instances' loads differ too much (the router's balance thresholds)
   round_robin   instances in turn, whatever they cache
+  kv_aware      (vllm-router) each instance publishes its KV events (vLLM's format) on a
+                free port of its --host the router subscribes to; the router asks them for
+                each request's tokens (/v1/chat/completions/render, /tokenize) and sends it
+                to the instance holding the longest run of its leading blocks
   With --router kvtier (kvtier route), cache_aware reads the KV events each instance
   publishes, so it knows which blocks every instance holds (and evicted), and sends a
   request to the one holding the longest prefix of its tokens.
@@ -133,6 +147,7 @@ examples:
   kvtier cluster --router-arg=--cache-threshold=0.5  # any flag of the router itself
   kvtier cluster --pd --start-redis                 # 1 prefill + 1 decode instance, P/D router
   kvtier cluster --router kvtier                    # routing on the instances' KV events
+  kvtier cluster --router vllm --policy kv_aware    # vllm-router on the instances' KV events
 """
 
 
@@ -216,6 +231,9 @@ class Child:
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )
     serving: re.Match[str] | None = None
+    #: From the banner: the KV event endpoint bound and the block size (kvtier serve only).
+    events_at: str | None = None
+    block_size: int | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     pump: threading.Thread | None = None
 
@@ -233,6 +251,10 @@ class Child:
                 if match is not None:
                     self.serving = match
                     self.ready.set()
+                elif (found := _EVENTS_AT.search(line)) is not None:
+                    self.events_at = found.group("endpoint")
+                elif (size := _BLOCKS.search(line)) is not None:
+                    self.block_size = int(size.group("size"))
             if self.echo and (self.only is None or self.only.search(line)):
                 with contextlib.suppress(ValueError, OSError):
                     print(f"[{self.name}] {line}", file=out, flush=True)
@@ -373,12 +395,67 @@ def _wait_serving(children: Sequence[Child], timeout_s: float) -> None:
             raise ConfigError(f"{child.name} did not start: {child.why_dead()}")
 
 
+def _kv_aware(args: argparse.Namespace, kind: RouterKind) -> bool:
+    """Whether vllm-router routes on the instances' KV events (its ``kv_aware`` policy)."""
+    return kind is ROUTERS["vllm"] and args.routing == "kv_aware"
+
+
+def _publish_at(host: str) -> str:
+    """Where an instance binds its KV event publisher: a free port on its own address.
+
+    vllm-router's subscribers connect, so the instance must bind; port 0 lets it pick a
+    port no other process holds, and its banner says which (:func:`_event_sources`).
+    """
+    if host in ("0.0.0.0", "", "::"):
+        return "tcp://*:0"
+    return f"tcp://{_client_host(host)}:0"
+
+
+@dataclass(frozen=True)
+class EventSources:
+    """What vllm-router's ``kv_aware`` policy is told about the instances' KV events."""
+
+    #: ``(instance URL, ZeroMQ endpoint to connect to)`` per instance.
+    sources: list[tuple[str, str]]
+    block_size: int
+    model: str
+
+
+def _event_sources(instances: Sequence[Child], urls: Sequence[str]) -> EventSources:
+    """Each instance's bound KV event endpoint and the block size, read from its banner."""
+    sources: list[tuple[str, str]] = []
+    sizes: set[int] = set()
+    for child, url in zip(instances, urls, strict=True):
+        if child.events_at is None or child.block_size is None:
+            raise ConfigError(
+                f"{child.name} did not say where it publishes its KV events (its banner has "
+                "no 'KV events ... published on' or 'KV cache: ... blocks of' line): "
+                "kv_aware routing needs both"
+            )
+        endpoint = child.events_at
+        bound_host, _, port_text = endpoint[len("tcp://") :].rpartition(":")
+        if bound_host in ("0.0.0.0", "*", "[::]", "::"):
+            # Bound on every address: the router reaches it where the instance serves HTTP.
+            where = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+            endpoint = f"tcp://{_client_host(where)}:{port_text}"
+        sources.append((url, endpoint))
+        sizes.add(child.block_size)
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"the instances use different block sizes ({sorted(sizes)}); kv_aware routing "
+            "hashes a request's blocks with one size: give every instance the same --block-size"
+        )
+    first = instances[0].serving
+    return EventSources(sources, sizes.pop(), first.group("name") if first else "unknown")
+
+
 def _router_argv(
     args: argparse.Namespace,
     kind: RouterKind,
     router_port: int,
     urls: Sequence[str],
     roles: Sequence[str | None] = (),
+    events: EventSources | None = None,
 ) -> list[str]:
     metrics_port = args.router_metrics_port or free_port()
     if kind is ROUTERS["kvtier"]:
@@ -400,6 +477,14 @@ def _router_argv(
         argv += ["--policy", args.routing]
     else:
         argv += ["--worker-urls", *urls, "--policy", args.routing]
+    if events is not None:
+        # kv_aware: the router subscribes to each instance's events (vLLM's format) and
+        # asks the instances to render each request's tokens (/v1/chat/completions/render,
+        # /tokenize), so it names blocks by the tokens the engines compute.
+        for url, endpoint in events.sources:
+            argv += ["--kv-event-source", f"{url}={endpoint}"]
+        argv += ["--kv-event-block-size", str(events.block_size)]
+        argv += ["--kv-event-model", events.model]
     argv += ["--prometheus-port", str(metrics_port), "--prometheus-host", args.host]
     argv += ["--log-level", "info" if args.verbose else kind.quiet_level]
     return argv + list(args.router_arg or ())
@@ -455,12 +540,13 @@ def run(args: argparse.Namespace) -> int:
             redis, tier = _start_redis(args, workdir)
         env = _instance_env(args.instances)
         roles = _roles(args)
-        # kvtier's router listens on these; each instance connects and publishes there.
-        args.kv_events = (
-            [f"tcp://127.0.0.1:{free_port()}" for _ in roles]
-            if kind is ROUTERS["kvtier"]
-            else [None] * len(roles)
-        )
+        if kind is ROUTERS["kvtier"]:
+            # kvtier's router listens on these; each instance connects and publishes there.
+            args.kv_events = [f"tcp://127.0.0.1:{free_port()}" for _ in roles]
+        elif _kv_aware(args, kind):
+            args.kv_events = [_publish_at(args.host) for _ in roles]
+        else:
+            args.kv_events = [None] * len(roles)
         for i, role in enumerate(roles):
             instance_port = args.instance_port + i if args.instance_port else 0
             argv = _serve_argv(args, instance_port, tier, role, args.kv_events[i])
@@ -468,7 +554,8 @@ def run(args: argparse.Namespace) -> int:
             instances.append(_spawn(name, argv, env=env, echo=True))
         _wait_serving(instances, args.startup_timeout)
         urls = [child.serving.group("url") for child in instances if child.serving]
-        router_argv = _router_argv(args, kind, router_port, urls, roles)
+        events = _event_sources(instances, urls) if _kv_aware(args, kind) else None
+        router_argv = _router_argv(args, kind, router_port, urls, roles, events)
         router = _spawn("router", router_argv, only=None if args.verbose else _ROUTER_NEWS)
         url = f"http://{host}:{router_port}"
         _wait_router(router, url, args.startup_timeout)
@@ -562,10 +649,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     cluster.add_argument(
         "--routing",
+        "--policy",
+        dest="routing",
         default="cache_aware",
         metavar="POLICY",
         help="the router's policy: cache_aware, round_robin, random, power_of_two, and the "
-        "router's own others (default cache_aware)",
+        "router's own others; with vllm-router, kv_aware routes on the KV events each "
+        "instance publishes (default cache_aware)",
     )
     cluster.add_argument(
         "--host", default="127.0.0.1", help="address the router and instances listen on"
@@ -664,6 +754,12 @@ def check_pd(args: argparse.Namespace) -> None:
     """ConfigError unless ``--pd`` has what it needs: vllm-router, a shared tier, both roles."""
     if not args.pd:
         return
+    if args.routing == "kv_aware":
+        raise ConfigError(
+            "--pd with kv_aware routing is not wired: the prefill instances' KV events "
+            "would have to reach the router's P/D mode (--pd-kv-events); use --routing "
+            "cache_aware or round_robin with --pd"
+        )
     if args.router != "vllm":
         raise ConfigError(
             "--pd runs vllm-router in its P/D mode (--vllm-pd-disaggregation); sglang-router's "
@@ -687,10 +783,13 @@ def _run_checked(args: argparse.Namespace) -> int:
     extra = list(args.serve_args or ())
     if extra and extra[0] == "--":
         extra = extra[1:]
-    if args.router == "kvtier" and any(a.split("=", 1)[0] == "--kv-events" for a in extra):
+    routes_on_events = args.router == "kvtier" or (
+        args.router == "vllm" and args.routing == "kv_aware"
+    )
+    if routes_on_events and any(a.split("=", 1)[0] == "--kv-events" for a in extra):
         raise ConfigError(
-            "--router kvtier gives every instance its own --kv-events endpoint: drop "
-            "--kv-events after --"
+            f"--router {args.router} --routing {args.routing} gives every instance its own "
+            "--kv-events endpoint: drop --kv-events after --"
         )
     for flag in ("--host", "--port", "--model"):
         if any(a == flag or a.startswith(flag + "=") for a in extra):

@@ -46,6 +46,31 @@ class APIError(Exception):
         self.headers = headers
 
 
+def check_model(name: str | None, served: str) -> None:
+    """Refuse a request naming a model other than the one served (``None``: not named)."""
+    if name is not None and name != served:
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise APIError(
+            400,
+            f"The model '{shown}' does not exist: this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_chars(count: int, max_chars: int, max_model_len: int, param: str) -> None:
+    """Refuse a prompt of more characters than any prompt fitting the context can have."""
+    if count > max_chars:
+        raise APIError(
+            400,
+            f"the prompt has {count:,} characters; this server accepts at most "
+            f"{max_chars:,} (no prompt that long fits the model's context of "
+            f"{max_model_len} tokens): shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 class SafeJSONResponse(JSONResponse):
     """A JSON response that never fails to render (lone surrogates are escaped)."""
 

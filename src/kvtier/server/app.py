@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 from kvtier.engine.worker import EngineWorker, RequestHandle
 from kvtier.errors import BadRequestError, KvTierError
 from kvtier.mm.images import ImageLimits, check_count, load_image
+from kvtier.server import api_errors
 from kvtier.server.api_errors import APIError, SafeJSONResponse, install_error_handlers
 from kvtier.server.auth import AuthGuard, ServerAuth, tenant_of
 from kvtier.server.disagg import Disaggregation, Transfer
@@ -156,25 +157,10 @@ def create_app(
 
     # -- helpers ----------------------------------------------------------------------
     def check_model(name: str) -> None:
-        if name != served_model_name:
-            shown = name if len(name) <= 100 else name[:100] + "..."
-            raise APIError(
-                400,
-                f"The model '{shown}' does not exist: this server serves '{served_model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+        api_errors.check_model(name, served_model_name)
 
     def check_chars(count: int, param: str) -> None:
-        if count > max_chars:
-            raise APIError(
-                400,
-                f"the prompt has {count:,} characters; this server accepts at most "
-                f"{max_chars:,} (no prompt that long fits the model's context of "
-                f"{engine.max_model_len} tokens): shorten it",
-                param=param,
-                code="context_length_exceeded",
-            )
+        api_errors.check_chars(count, max_chars, engine.max_model_len, param)
 
     def retry_after() -> str:
         c = engine.counters
@@ -545,6 +531,8 @@ def create_app(
                 "prompt_tokens": snap.prompt_tokens,
                 "cached_prompt_tokens": snap.cached_prompt_tokens,
                 "loaded_prompt_tokens": snap.loaded_prompt_tokens,
+                "cached_prompt_tokens_by_source": snap.cached_by_source,
+                "recomputed_tier_tokens": snap.recomputed_tier_tokens,
                 "computed_prompt_tokens": snap.computed_prompt_tokens,
                 "generation_tokens": snap.generation_tokens,
                 "preemptions": snap.preemptions,
@@ -561,6 +549,7 @@ def create_app(
             if snap.window is None
             else {**dataclasses.asdict(snap.window), "recomputes": snap.window_recomputes},
             "tiers": snap.tiers,
+            "costs": snap.costs,
             "sessions": sessions,
             "pressure": None if snap.pressure is None else snap.pressure.as_dict(),
             "encoder_cache": snap.encoder_cache,
@@ -596,6 +585,9 @@ def create_app(
     from kvtier.server.workflows import register_workflows
 
     register_workflows(app, worker)
+    from kvtier.server.tokenization import register_tokenization
+
+    register_tokenization(app)
     return app
 
 

@@ -359,9 +359,21 @@ def hermes_messages(
 
 
 def render_tool_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], req: ToolRequest | None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    req: ToolRequest | None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """The prompt text of a chat with tools (or with earlier tool calls), ready for the reply."""
+    """The prompt text of a chat with tools (or with earlier tool calls), ready for the reply.
+
+    The flags are the chat template's (``/tokenize`` passes a client's own); chat
+    completions always render with the defaults.
+    """
+    flags: dict[str, bool] = {"add_generation_prompt": add_generation_prompt}
+    if continue_final_message:  # only when set: the default call stays the chat endpoint's
+        flags["continue_final_message"] = True
     if getattr(tokenizer, "chat_template", None) is None:
         raise BadRequestError(
             "this model has no chat template, so it cannot be offered tools: "
@@ -372,11 +384,11 @@ def render_tool_chat(
         if template_knows_tools(tokenizer):
             tools = [t.as_openai() for t in req.tools] if req is not None and req.parses else None
             text = tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tools=tools, add_generation_prompt=True, tokenize=False
+                [dict(m) for m in messages], tools=tools, tokenize=False, **flags
             )
         else:
             text = tokenizer.apply_chat_template(
-                hermes_messages(messages, req), add_generation_prompt=True, tokenize=False
+                hermes_messages(messages, req), tokenize=False, **flags
             )
     except Exception as exc:  # a template raising on odd input is the caller's input
         raise BadRequestError(
