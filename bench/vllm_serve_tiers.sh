@@ -2,7 +2,10 @@
 # End-to-end serving comparison on a GPU machine: time to first token of long
 # prompts that come back after the GPU cache and the CPU tier have forgotten
 # them, with vLLM's CPU tier alone, with vLLM's `fs` tier and with kvtier's
-# disk tier below it. Each configuration serves the same rounds:
+# disk tier below it, and with KvTierConnector (kvtier's workflow policy on the
+# CPU tier, no disk tier) with round 1's prompts hinted as sessions pinned for
+# 10 minutes (`kv_transfer_params: {"kvtier": {"session_id": ..., "cache_ttl_s":
+# 600}}`; the churn is not hinted). Each configuration serves the same rounds:
 #   1. cold: N distinct long prompts (computed, offloaded);
 #   2. churn: enough other prompts to push round 1 out of the GPU and CPU tiers;
 #   3. warm: round 1 again (served from the disk tier if there is one);
@@ -21,8 +24,16 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-8000}
 CHURN=${CHURN:-256}
 OUT=${OUT:-bench/results/vllm_serve_tiers.json}
 
-config() {  # $1: none | fs | kvtier
+config() {  # $1: none | fs | kvtier | kvtier-hints
   local tiers="[]"
+  if [ "$1" = kvtier-hints ]; then
+    cat <<EOF
+{"kv_connector": "KvTierConnector", "kv_role": "kv_both",
+ "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+ "kv_connector_extra_config": {"cpu_bytes_to_use": $CPU_BYTES, "kvtier_policy": "workflow"}}
+EOF
+    return
+  fi
   case $1 in
     fs) tiers="[{\"type\": \"fs\", \"root_dir\": \"$DISK_DIR/fs\"}]" ;;
     kvtier) tiers="[{\"type\": \"KvTierSecondaryTier\",
@@ -50,18 +61,22 @@ start_server() {
 
 stop_server() { kill "$SERVER"; wait "$SERVER" || true; }
 
-round() {  # $1 config, $2 round name, $3 first prompt seed, $4 count
-  python - "$1" "$2" "$3" "$4" <<'EOF'
+round() {  # $1 config, $2 round name, $3 first prompt seed, $4 count, $5 hint (0/1)
+  python - "$1" "$2" "$3" "$4" "${5:-0}" <<'EOF'
 import json, os, random, sys, time
 import urllib.request
 cfg, name, seed, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+hinted = sys.argv[5] == "1"
 port, model = os.environ["PORT"], os.environ["MODEL"]
 words = int(os.environ["PROMPT_TOKENS"]) * 3 // 4
 ttfts = []
 for i in range(seed, seed + count):
     rng = random.Random(i)
     prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(words))
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
+    if hinted:
+        body["kv_transfer_params"] = {"kvtier": {"session_id": f"s{i}", "cache_ttl_s": 600}}
+    body = json.dumps(body).encode()
     req = urllib.request.Request(f"http://localhost:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     start = time.perf_counter()
@@ -81,14 +96,16 @@ EOF
 export PORT MODEL PROMPT_TOKENS OUT
 mkdir -p "$DISK_DIR" "$(dirname "$OUT")"
 : >"$OUT"
-for cfg in none fs kvtier; do
+for cfg in none fs kvtier kvtier-hints; do
   rm -rf "${DISK_DIR:?}/fs" "${DISK_DIR:?}/kvtier"
+  hint=0
+  [ "$cfg" = kvtier-hints ] && hint=1
   start_server "$cfg"
-  round "$cfg" cold 0 "$PROMPTS"
+  round "$cfg" cold 0 "$PROMPTS" "$hint"
   round "$cfg" churn 100000 "$CHURN"
-  round "$cfg" warm 0 "$PROMPTS"
+  round "$cfg" warm 0 "$PROMPTS" "$hint"
   stop_server
   start_server "$cfg"
-  round "$cfg" restart 0 "$PROMPTS"
+  round "$cfg" restart 0 "$PROMPTS" "$hint"
   stop_server
 done

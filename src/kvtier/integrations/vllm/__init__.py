@@ -4,6 +4,12 @@
   vLLM 0.33's ``CPUOffloadingManager`` that lets any kvtier policy choose the
   victims (``eviction_policy: "kvtier:s3fifo"``,
   ``cache_policy_module_path: "kvtier.integrations.vllm.cache_policy"``);
+* :mod:`.connector`: :class:`KvTierConnector`, vLLM 0.33's offloading
+  connector whose scheduler side tells a request-aware kvtier policy about
+  each request and its hints (sessions, TTL pins, session end, workflow
+  steps), with predicted admission into the CPU tier
+  (``"kv_connector": "KvTierConnector"``,
+  ``"kv_connector_module_path": "kvtier.integrations.vllm.connector"``);
 * :mod:`.spec`: :class:`KvTierOffloadingSpec`, vLLM's CPU offloading spec
   reading ``kvtier_policy`` / ``kvtier_admission`` from
   ``kv_connector_extra_config``;
@@ -14,7 +20,8 @@
 * :mod:`.version`: :func:`detect_vllm` / :func:`require_vllm`.
 
 Importing this package never imports vLLM. The names that need it
-(``KvTierCachePolicy``, ``cache_policy_class``, ``KvTierOffloadingSpec``) load
+(``KvTierCachePolicy``, ``cache_policy_class``, ``KvTierOffloadingSpec``,
+``KvTierConnector``) load
 on first use and raise :class:`UnsupportedVllmError` when vLLM is missing or
 of a version without an adapter; ``KvEventPublisher`` needs pyzmq and msgspec
 only. See docs/vllm.md.
@@ -61,6 +68,7 @@ _LAZY = {
     "cache_policy_class": "kvtier.integrations.vllm.cache_policy",
     "KvTierOffloadingSpec": "kvtier.integrations.vllm.spec",
     "KvEventPublisher": "kvtier.integrations.vllm.events",
+    "KvTierConnector": "kvtier.integrations.vllm.connector",
 }
 
 __getattr__, __dir__ = lazy_exports("kvtier.integrations.vllm", globals(), _LAZY)

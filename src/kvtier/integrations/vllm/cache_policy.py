@@ -97,6 +97,12 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
     kvtier_policy: ClassVar[str] = "lru"
     kvtier_admission: ClassVar[str | None] = None
     kvtier_options: ClassVar[Mapping[str, Any]] = {}
+    #: Insert a request's completed chunks in chain order, pinned, then release
+    #: them tail first (what kvtier's device pool does). Recency policies end up
+    #: with the same order as with the default (tails inserted first), and
+    #: policies that keep each request's chain, such as learned-reuse, keep it
+    #: head to tail, so they evict its tail first. Set by the connector's classes.
+    chain_order_inserts: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -163,6 +169,11 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
             ids.append(ids_of[key])
             pinned.append(chunk.ref_cnt > 0)
         if not self._filtering and not any(pinned):
+            if self.chain_order_inserts:
+                policy.insert_many(ids, True)
+                ids.reverse()
+                policy.unpin_many(ids)
+                return
             ids.reverse()
             policy.insert_many(ids)
             return
@@ -249,11 +260,26 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
         self._flush()
         chunks = self.chunks
         ids = self._ids
+        policy = self.policy
+        declined = self._declined
+        declined_pinned = self._declined_pinned
+        # Tail first, so the chain's head ends up the most recent; one batch call
+        # for the keys the policy holds (the filter reconsiders declined ones).
+        used: list[int] = []
         for key in reversed(order_request_keys(key_groups, req_context)):
             if key in reused_keys:
                 chunk = chunks.get(key)
                 if chunk is not None and chunk.ref_cnt >= 0:
-                    self._reuse(ids[key])
+                    kid = ids[key]
+                    if kid in declined or kid in declined_pinned:
+                        if used:
+                            policy.access_many(used)
+                            used = []
+                        self._reuse(kid)
+                    elif kid in policy:
+                        used.append(kid)
+        if used:
+            policy.access_many(used)
 
     def evict(
         self, n: int, protected: set[OffloadKey]
@@ -353,6 +379,11 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
             self.policy.pin(kid)
 
     # -- introspection --------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Make the chunks whose stores completed resident now (they are otherwise
+        inserted at the next call that needs the policy)."""
+        self._flush()
+
     def resident_keys(self) -> set[OffloadKey]:
         """The ready chunks the kvtier policy holds (declined chunks excluded)."""
         self._flush()
@@ -533,10 +564,25 @@ def cache_policy_class(policy: str, admission: str | None = None) -> type[KvTier
 _DYNAMIC: dict[str, type[KvTierCachePolicy]] = {}
 
 
+def register_policy_class(name: str, cls: type[KvTierCachePolicy]) -> str:
+    """Make ``cls`` loadable by vLLM as ``eviction_policy: name`` from this module.
+
+    ``name`` must start with ``kvtier:``; for classes built at run time (the
+    connector builds one per instance, with its policy's options).
+    """
+    if not name.startswith(NAME_PREFIX):
+        raise ConfigError(f"a kvtier cache policy name starts with {NAME_PREFIX!r}, got {name!r}")
+    _DYNAMIC[name] = cls
+    return name
+
+
 def __getattr__(name: str) -> type[KvTierCachePolicy]:
     """Serve ``kvtier:<policy>[+<admission>]`` to vLLM's ``getattr(module, name)``."""
     if not name.startswith(NAME_PREFIX):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    registered = _DYNAMIC.get(name)
+    if registered is not None:
+        return registered
     spec = name[len(NAME_PREFIX):]
     policy, _, admission = spec.partition("+")
     if not policy:
