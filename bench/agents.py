@@ -42,6 +42,12 @@ LRU and the workflow policy with hints, each without and with a disk tier.
 Reported: the median TTFT of the turns after the first, and the prompt tokens
 per turn served from the device and loaded from the disk.
 
+``--speed`` instead measures replay speed alone: block accesses replayed per
+second by the workflow policy and by LRU, in the same run, on the goals'
+workloads (tool sessions with exact, lying and no hints, the cyclic
+workflow, concurrent workflows), best of ``--repeats`` runs each, and writes
+``bench/results/agents_speed.json``.
+
 Run ``python bench/agents.py --help``; ``--quick`` is a short smoke run.
 Results go to ``bench/results/agents.json``.
 """
@@ -230,6 +236,67 @@ def goal_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[object]
          "yes" if r["met"] else "NO", f"{r['workflow_accesses_per_s'] / 1e6:.2f}"]
         for r in rows
     ]  # fmt: skip
+
+
+# -- replay speed --------------------------------------------------------------------------
+
+SPEED_POLICIES = ("workflow", "lru")
+
+
+def speed_rows(quick: bool, repeats: int) -> list[dict[str, Any]]:
+    """Accesses/s of the workflow policy and LRU on the same traces (prefix model), best of N."""
+    tools = W.tool_sessions(
+        100 if quick else 300, arrival_s=1.0, tool_latency_median_s=10.0,
+        system_tokens=800, tool_result_tokens=(50, 400), seed=0,
+    )  # fmt: skip
+    shapes: list[tuple[str, list[dict[str, Any]], int]] = [
+        ("tools", tools, 1000),
+        ("tools, lying TTLs", _strip(tools, "random", 0), 1000),
+        ("tools, no hints", _strip(tools, "none", 0), 1000),
+        ("cyclic+suffix", W.cyclic_workflow(
+            10, 512, rounds=8, suffix_tokens=32, answer_tokens=(8, 40), seed=0
+        ), 6 * 512 // W.BLOCK_SIZE),
+        ("synthetic", W.synthetic_workflows(4 if quick else 16, seed=0), 2000),
+    ]  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, lines, cap in shapes:
+            path = W.write_trace(lines, Path(tmp) / "speed.jsonl")
+            trace = load_trace(path, block_size=W.BLOCK_SIZE)
+            row: dict[str, Any] = {
+                "workload": name, "capacity_blocks": cap, "requests": len(trace.requests),
+            }  # fmt: skip
+            log(f"speed: {name}")
+            # The policies take turns within each repeat, so both see the same load.
+            for _ in range(repeats):
+                for p in SPEED_POLICIES:
+                    r = simulate(trace, p, cap, "prefix")
+                    key = f"{p}_accesses_per_s"
+                    row[key] = max(row.get(key, 0.0), r.ops_per_s)
+                    row[f"{p}_hit"] = r.token_hit_ratio
+                    row["block_accesses"] = r.block_accesses
+            row["workflow_over_lru"] = row["workflow_accesses_per_s"] / row["lru_accesses_per_s"]
+            rows.append(row)
+    return rows
+
+
+def speed_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
+    headers = [
+        "workload", "accesses", "workflow M acc/s", "LRU M acc/s", "workflow/LRU",
+        "workflow hit", "LRU hit",
+    ]  # fmt: skip
+    return headers, [
+        [r["workload"], f"{r['block_accesses']:,}", f"{r['workflow_accesses_per_s'] / 1e6:.3f}",
+         f"{r['lru_accesses_per_s'] / 1e6:.3f}", f"{r['workflow_over_lru']:.2f}x",
+         f"{r['workflow_hit']:.3f}", f"{r['lru_hit']:.3f}"]
+        for r in rows
+    ]  # fmt: skip
+
+
+def _compiled() -> bool:
+    import kvtier.pool
+
+    return str(kvtier.pool.__file__).endswith(".so")
 
 
 # -- the engine loop ------------------------------------------------------------------------
@@ -461,10 +528,32 @@ def main(argv: list[str] | None = None) -> int:
         "--tool-device-blocks", type=int, default=96, help="device blocks of the tool run"
     )
     ap.add_argument("--markdown", action="store_true", help="also print Markdown tables")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agents.json")
+    ap.add_argument(
+        "--speed", action="store_true", help="replay speed only: workflow vs LRU accesses/s"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="--speed: runs per policy (best kept)")
+    ap.add_argument("--out", type=Path, default=None, help="the JSON file to write")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 2
+    if args.speed:
+        speed = speed_rows(args.quick, max(1, args.repeats))
+        s_headers, s_table = speed_table(speed)
+        compiled = _compiled()
+        print(f"replay speed, prefix model, best of {args.repeats} "
+              f"({'compiled' if compiled else 'pure Python'} hot paths)")  # fmt: skip
+        print(format_table(s_headers, s_table))
+        if args.markdown:
+            print()
+            print(format_markdown_table(s_headers, s_table))
+        write_json(args.out or REPO / "bench" / "results" / "agents_speed.json", {
+            "benchmark": "agents-speed", "args": {k: str(v) for k, v in vars(args).items()},
+            "compiled": compiled, "speed": speed, "machine": machine_info(),
+            "git": git_state(REPO),
+        })  # fmt: skip
+        return 0
+    if args.out is None:
+        args.out = REPO / "bench" / "results" / "agents.json"
     goals = goal_rows(args.quick)
     g_headers, g_table = goal_table(goals)
     print("goals: token hit ratio in the prefix model (a real KVCacheManager)")

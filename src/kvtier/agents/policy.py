@@ -330,14 +330,31 @@ class WorkflowPolicy(PolicyBase):
         tags = self._tags
         resident = self._global
         moved: list[int] = []
+        touch = tags.move_to_end
+        # Hints that add nothing to a tag that has them (the usual case: a session's
+        # or an agent's next request over its own chain) only refresh its recency.
+        plain = not shared and reuse is None
         for key, depth in zip(keys, range(len(keys)) if depths is None else depths, strict=True):
-            held = key in resident
             tag = tags.get(key)
+            if (
+                plain
+                and tag is not None
+                and (session is None or tag.session == session)
+                and (owner is None or owner in tag.owners)
+                and not (tag.shared and tag.reuse == "never")
+            ):
+                touch(key)
+                continue
+            held = key in resident
             if tag is None:
                 tag = _Tag(session=session, shared=shared, reuse=reuse, depth=depth)
                 tags[key] = tag
+                before = None
             else:
-                tags.move_to_end(key)
+                touch(key)
+                # What the key's rank reads of its tag, to move it only when that changed:
+                # a resident key is always in the class its rank names.
+                before = (tag.shared, tag.reuse, len(tag.owners))
                 if shared:
                     tag.shared = True
                 if session is not None:
@@ -358,7 +375,7 @@ class WorkflowPolicy(PolicyBase):
                 if held:
                     self._by_agent.setdefault(owner, {})[key] = None
                     self._by_workflow.setdefault(owner[0], {})[owner[1]] = None
-            if held:
+            if held and before != (tag.shared, tag.reuse, len(tag.owners)):
                 moved.append(key)
         # Tail first, so a class evicts the chain's tail first. Moving keys does
         # not change the tracker: each agent's distance is read once.
@@ -546,20 +563,32 @@ class WorkflowPolicy(PolicyBase):
         # again: a session seldom comes back exactly on time, and one that is late
         # is due any moment (one that never comes back is dropped after that).
         late = until + max(until - self._now, 0.0)
+        late_of = self._late
+        protected = self._protected
+        push = heapq.heappush
+        ahead = until > self._now
+        table = self._size_table
         for key in keys:
             old = expiry.get(key, -1.0)
             if old >= until and (old != replacing or old == until):
                 continue
-            if old > until:
-                tag = tags.get(key)
-                if tag is None or tag.shared:
-                    continue
+            tag = tags.get(key)
+            if old > until and (tag is None or tag.shared):
+                continue
             expiry[key] = until
             overdue.pop(key, None)
-            self._late[key] = late
-            heapq.heappush(heap, (until, -self._depth(key), key))
+            late_of[key] = late
+            neg_depth = 0 if tag is None else -tag.depth
+            push(heap, (until, neg_depth, key))
             if key in resident:
-                self._protect(key, until)
+                if ahead and key in protected:
+                    # _pin_state for a key protected already, inline (a session's
+                    # every turn re-pins its whole chain): the pin only moves.
+                    size = self._size(key) if table is None else table.get(key, 1) if table else 1
+                    protected[key] = (until, size)
+                    push(self._pheap, (-until, neg_depth, key))
+                else:
+                    self._protect(key, until)
                 c = classes.get(class_of.get(key, DEFAULT))
                 if isinstance(c, ByReturn):
                     c.access(key)  # its pin ends at another time now: re-sort it
@@ -577,11 +606,14 @@ class WorkflowPolicy(PolicyBase):
         if until <= self._now:
             return False
         protected = self._protected
-        size = self._size(key)
+        table = self._size_table
+        size = self._size(key) if table is None else table.get(key, 1) if table else 1
         pheap = self._pheap
+        tag = self._tags.get(key)
+        neg_depth = 0 if tag is None else -tag.depth
         if key in protected:
             protected[key] = (until, size)
-            heapq.heappush(pheap, (-until, -self._depth(key), key))
+            heapq.heappush(pheap, (-until, neg_depth, key))
             return False
         cap = int(self.pin_fraction * self.capacity)  # pin_cap
         if size > cap:
@@ -600,7 +632,7 @@ class WorkflowPolicy(PolicyBase):
             heapq.heappop(pheap)
             self._unprotect(victim)
         protected[key] = (until, size)
-        heapq.heappush(pheap, (-until, -self._depth(key), key))
+        heapq.heappush(pheap, (-until, neg_depth, key))
         self._protected_used += size
         if len(pheap) > 4 * len(protected) + 64:
             self._pheap = [(-u, -self._depth(k), k) for k, (u, _) in protected.items()]
