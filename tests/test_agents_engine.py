@@ -183,6 +183,9 @@ def test_prefetch_from_redis_lets_ready_requests_go_first(
 ) -> None:
     prompts = agent_prompts()
     eng = _tiered(model_tok, [Tier(RedisStore(redis.url), 200)])
+    # The tiny model computes a prompt faster than Redis loads it, so the load-or-recompute
+    # plan would recompute: this test is about the order prefetched requests run in.
+    eng.connector.load_all = True
     eng.agents.register(sequential("w", AGENTS, cyclic=True))
     _loop(eng, 1, prompts)
     eng.agents.enable_prefetch(lookahead=3, max_bytes=64 * eng.layout.bytes_per_block)
