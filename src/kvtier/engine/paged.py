@@ -298,12 +298,8 @@ def paged_attention(
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if meta is None and (softcap is not None or sinks is not None):
         # transformers' SDPA path has neither: attend as the model's eager attention does.
-        heads, kv_heads = query.shape[1], key.shape[1]
-        k = key.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else key
-        v = value.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else value
         bias = _additive_mask(attention_mask, query, key)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = attend_eager(query, k, v, bias, scale, softcap, sinks)
+        out = attend_eager(query, key, value, bias, scaling, softcap, sinks)
         return out.transpose(1, 2).contiguous(), None
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -374,11 +370,7 @@ def paged_attention(
     else:
         q = query[0].index_select(1, meta.q_gather).view(heads, B, Q, dim).transpose(0, 1)
     if softcap is not None or sinks is not None:
-        if heads != kv_heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=1)
-            v = v.repeat_interleave(heads // kv_heads, dim=1)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        out = attend_eager(q, k, v, bias, scale, softcap, sinks)
+        out = attend_eager(q, k, v, bias, scaling, softcap, sinks)
     else:
         # Each query head stays its own row (``enable_gqa``), as in transformers' attention:
         # folding a K/V head's query heads into its rows costs less but rounds differently.
@@ -397,19 +389,26 @@ def attend_eager(
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor,
-    scale: float,
+    scale: float | None,
     softcap: object,
     sinks: object,
 ) -> torch.Tensor:
     """Attention written out, for the logit changes SDPA has no argument for.
 
-    ``q`` is ``[B, heads, Q, dim]``, ``k``/``v`` ``[B, heads, K, dim]`` (one K/V
-    head per query head), ``bias`` additive ``[B, 1, Q, K]``. ``softcap`` bends
+    ``q`` is ``[B, heads, Q, dim]``, ``k``/``v`` ``[B, kv_heads, K, dim]`` (each
+    K/V head repeated for its query heads here), ``bias`` additive ``[B, 1, Q, K]``;
+    ``scale`` ``None`` is ``dim ** -0.5``. ``softcap`` bends
     each logit to ``softcap * tanh(logit / softcap)`` before the mask (Gemma 2);
     ``sinks`` is one learned logit per head that joins every softmax and is then
     dropped, so a query may attend to nothing (GPT-OSS). The order of operations
     is transformers' eager attention's for those models, so the results round alike.
     """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap is not None:
         cap = float(softcap)  # type: ignore[arg-type]
