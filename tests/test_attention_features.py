@@ -4,11 +4,15 @@ GPT-OSS adds a learned logit per head to every softmax (attention sinks),
 Gemma 2 bends attention logits with ``softcap * tanh(logit / softcap)``,
 SmolLM3 leaves rotary positions out of some layers (NoPE), and Cohere 2,
 OLMo 3, EXAONE 4 and Ministral interleave sliding-window and full layers in
-their own layouts. Each is served from kvtier's blocks with the model's own
-answers: the written-out attention equals the model's eager attention on
-random inputs with a ragged mask, and a tiny model of each family, saved to
-a directory as a user holds it, answers over HTTP (what ``kvtier serve
---model DIR`` does) with transformers' own greedy tokens.
+their own layouts. Qwen2-MoE slides through its mask alone (its attention
+passes no window), StableLM's decoder layers do not hand the engine's pass
+on to their attention, and Falcon attends in code of its own rather than
+through the attention interface. Each is served from kvtier's blocks with
+the model's own answers: the written-out attention equals the model's eager
+attention on random inputs with a ragged mask, a tiny model of each family,
+saved to a directory as a user holds it, answers over HTTP (what ``kvtier
+serve --model DIR`` does) with transformers' own greedy tokens, and Falcon's
+other head layouts pass every conformance case.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.families
 
 from tiny_model import check_saved_directory_serves  # noqa: E402
 
+from kvtier.conformance.cases import CASES  # noqa: E402
 from kvtier.conformance.tiny import TinyFamily, causal_lm_class, char_tokenizer, tiny_config  # noqa: E402
 from kvtier.engine.paged import attend_eager  # noqa: E402
 from kvtier.engine.support import config_features  # noqa: E402
@@ -80,6 +85,9 @@ SAVED = [
     ("exaone4", {"sliding"}),
     ("ministral", {"sliding"}),
     ("gpt2", set()),  # config.json names its sizes n_layer, n_head, n_embd
+    ("qwen2_moe", {"sliding"}),  # its attention passes no window: the mask slides
+    ("stablelm", set()),  # decoder layers that drop the pass on the way to attention
+    ("falcon", set()),  # attention in code of its own, fed the blocks through a cache
 ]
 
 
@@ -92,3 +100,18 @@ def test_a_saved_directory_serves(model_type: str, features: set[str], tmp_path:
         assert 0 in family.model.config.no_rope_layers  # some layers really skip rotary
     info = check_saved_directory_serves(family, tmp_path, "hello, " * 6 + "world")
     assert info.num_layers == 4
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"new_decoder_architecture": True, "num_kv_heads": 2}, {"multi_query": False}],
+    ids=["grouped-query", "multi-head"],
+)
+def test_falcons_other_head_layouts_give_transformers_tokens(fields: dict[str, object]) -> None:
+    """The sweep's tiny Falcon is multi-query (Falcon 7B); Falcon 40B / 180B group their
+    query heads over a few K/V heads, handing each K/V head repeated per query head."""
+    tok = char_tokenizer()
+    config = tiny_config("falcon", len(tok), **fields)
+    family = TinyFamily(causal_lm_class("falcon"), config, tok, "tiny-falcon", 4)
+    for check in CASES.values():
+        check(family)

@@ -70,9 +70,10 @@ def test_the_families_people_run_are_exact() -> None:
     }  # fmt: skip
     assert not wanted - set(EXACT_TYPES), sorted(wanted - set(EXACT_TYPES))
     assert len(EXACT_TYPES) >= 60
-    # Found answering differently, so refused (docs/models.md says why).
-    for model_type in ("falcon", "bloom"):
+    # Attention code of their own, adding ALiBi biases: refused, saying so.
+    for model_type in ("bloom", "mpt"):
         assert FAMILIES[model_type]["outcome"] == REFUSED
+        assert "ALiBi" in FAMILIES[model_type]["reason"]
 
 
 def test_the_support_check_admits_what_the_record_says() -> None:
@@ -109,6 +110,10 @@ def test_a_switch_the_sweep_did_not_exercise_is_refused() -> None:
     # Soft-capping is only admitted where the sweep saw it (Gemma 2).
     with pytest.raises(ConfigError, match="soft-capping"):
         check_supported({"model_type": "llama", "attn_logit_softcapping": 50.0}.get)
+    # Falcon is served with rotary positions; its ALiBi form is refused, saying so.
+    with pytest.raises(ConfigError, match=r"ALiBi position biases \(alibi is true\)") as info:
+        check_supported({"model_type": "falcon", "num_hidden_layers": 2, "alibi": True}.get)
+    assert "Instead:" in str(info.value)
 
 
 def test_an_unknown_family_is_refused_with_what_to_do() -> None:

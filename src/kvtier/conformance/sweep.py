@@ -4,13 +4,14 @@
 transformers' own greedy tokens; the config features the tiny model had are
 recorded, and only configs within them are admitted), ``refused`` (kvtier's
 support check names an attention feature it does not implement, or a case
-gave other tokens or failed: the reason says which) or ``unbuilt`` (no tiny
-model could be made from the family's config with generic sizes, e.g. an
-encoder-decoder's or an image-text wrapper's). :func:`sweep` runs many,
-each in a process of its own (a family that crashes or hangs costs only
-itself), and :func:`write_record` / :func:`markdown_table` turn the results
-into the record :mod:`kvtier.engine.support` reads and the table in
-docs/models.md.
+gave other tokens or failed: the reason says which, or, for a family whose
+own attention code kvtier's never replaces (:data:`OWN_ATTENTION`), why) or
+``unbuilt`` (no tiny model could be made from the family's config with
+generic sizes, e.g. an encoder-decoder's or an image-text wrapper's).
+:func:`sweep` runs many, each in a process of its own (a family that
+crashes or hangs costs only itself), and :func:`write_record` /
+:func:`markdown_table` turn the results into the record
+:mod:`kvtier.engine.support` reads and the table in docs/models.md.
 """
 
 from __future__ import annotations
@@ -44,6 +45,26 @@ class FamilyResult:
     #: The config features the exact run exercised (:func:`kvtier.engine.support.config_features`).
     features: tuple[str, ...] = field(default_factory=tuple)
     seconds: float = 0.0
+
+
+#: Families whose attention is code of their own, which kvtier's paged attention (an
+#: implementation of transformers' attention interface) never replaces, and what that code
+#: adds: when one fails a case, this is the reason recorded rather than the symptom.
+OWN_ATTENTION = {
+    "bloom": "ALiBi position biases built from a per-sequence attention mask",
+    "mpt": "ALiBi position biases sliced by the cache's length",
+}
+
+
+def _refusal(model_type: str, symptom: str) -> str:
+    """The reason a family that failed a case is refused: its known cause, else the symptom."""
+    added = OWN_ATTENTION.get(model_type)
+    if added is None:
+        return symptom[:400]
+    return (
+        f"attends in code of its own ({added}), not through transformers' attention "
+        "interface, which kvtier's paged attention implements"
+    )
 
 
 def causal_lm_types() -> list[str]:
@@ -101,13 +122,15 @@ def run_family(model_type: str, cases: Iterable[str] | None = None) -> FamilyRes
             try:
                 CASES[name](family)
             except Mismatch as exc:
-                return done(REFUSED, f"gives other tokens than transformers ({name}: {exc})"[:400])
+                symptom = f"gives other tokens than transformers ({name}: {exc})"
+                return done(REFUSED, _refusal(model_type, symptom))
             except ConfigError as exc:
                 return done(REFUSED, f"refused while serving ({name}): {exc}"[:400])
             except Exception as exc:
                 last = traceback.extract_tb(exc.__traceback__)[-1]
                 where = f"{Path(last.filename).name}:{last.lineno}"
-                return done(REFUSED, f"fails ({name}): {_first_line(exc)} at {where}")
+                symptom = f"fails ({name}): {_first_line(exc)} at {where}"
+                return done(REFUSED, _refusal(model_type, symptom))
     return done(EXACT, features=tuple(sorted(support.config_features(get))))
 
 

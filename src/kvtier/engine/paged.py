@@ -26,6 +26,16 @@ lives in window slots rather than in the blocks, and the layer writes and
 reads it through the slot rows (:attr:`BatchMeta.new_window_rows`,
 :meth:`KVView.window_rows`).
 
+The pass reaches a layer as its ``kvtier_batch`` argument or, where a
+decoder layer does not hand its keyword arguments on (StableLM's,
+Nemotron's), from the forward of the installed model it runs in
+(:func:`batch_of`). A layer that passes no ``sliding_window`` (Qwen2-MoE's,
+PhiMoE's slide through their masks alone) takes its window from the
+config's layer plan. Falcon's attention does its own attending rather than
+calling the attention interface; in a batch it is handed a cache that keeps
+its K/V in the blocks and a mask over what that cache returns
+(:class:`_CacheFedAttention`).
+
 All writes of a layer happen before its reads, so a sequence may read blocks
 another sequence of the same pass is computing (a prefix they share).
 Called without batch metadata (``model(...)`` outside the engine, or with a
@@ -36,20 +46,27 @@ transformers' own masks: installing it changes nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.attention_spec import first_visible
+from kvtier.engine.attention_spec import attention_spec, first_visible
 from kvtier.engine.block_layers import mix_in
+from kvtier.errors import ConfigError
 from kvtier.layout import cdiv
 from kvtier.storage import KVBlockStorage
 
 #: The attention implementation name models are switched to.
 ATTN_IMPLEMENTATION = "kvtier_paged"
 _registered = False
+
+#: The batched pass running through an installed model, set around its forward: some
+#: decoder layers (StableLM's, Nemotron's) call their attention without passing their
+#: keyword arguments, the pass among them, along.
+_PASS: ContextVar[BatchMeta | None] = ContextVar("kvtier_pass", default=None)
 
 
 @dataclass(frozen=True)
@@ -294,7 +311,8 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention over kvtier blocks for a :class:`BatchMeta` pass (SDPA otherwise)."""
-    meta: BatchMeta | None = kwargs.pop("kvtier_batch", None)
+    meta = batch_of(module, kwargs)
+    kwargs.pop("kvtier_batch", None)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if meta is None and (softcap is not None or sinks is not None):
         # transformers' SDPA path has neither: attend as the model's eager attention does.
@@ -342,8 +360,13 @@ def paged_attention(
         windowed = storage.is_window_layer(layer)
         storage.write_rows(layer, meta.new_window_rows if windowed else meta.new_rows, new_k, new_v)
         # The model passes each layer's window (None for full attention), as it does to
-        # transformers' own attention functions.
-        window = kwargs.get("sliding_window")
+        # transformers' own attention functions. Some (Qwen2-MoE, PhiMoE) pass none and
+        # slide through the mask they build instead, which a batch replaces: their layer
+        # plan, read from the config at install, says which layers slide.
+        if "sliding_window" in kwargs:
+            window = kwargs["sliding_window"]
+        else:
+            window = getattr(module, "_kvtier_window", None)
         chunk = getattr(module, "_kvtier_chunk", None)
         if isinstance(window, int) and window > 0:
             view = meta.window_view(window)
@@ -382,6 +405,26 @@ def paged_attention(
     if not meta.decode_only:
         out = out.index_select(0, meta.q_scatter)
     return out.unsqueeze(0), None
+
+
+def batch_of(module: torch.nn.Module, kwargs: dict[str, Any]) -> BatchMeta | None:
+    """The batched pass an attention layer's call belongs to (``None``: not the engine's).
+
+    The pass comes as the ``kvtier_batch`` argument, or, for a layer whose decoder layer
+    did not hand it on, from the installed model's forward it runs in.
+    """
+    meta: BatchMeta | None = kwargs.get("kvtier_batch")
+    if meta is None and isinstance(getattr(module, "layer_idx", None), int):
+        meta = _PASS.get()
+    return meta
+
+
+def _enter_pass(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    _PASS.set(kwargs.get("kvtier_batch"))
+
+
+def _leave_pass(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+    _PASS.set(None)
 
 
 def attend_eager(
@@ -456,7 +499,7 @@ class _LatentAttention:
     _kvtier_gathered = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._kvtier_meta = kwargs.get("kvtier_batch")
+        self._kvtier_meta = batch_of(self, kwargs)  # type: ignore[arg-type]
         try:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         finally:
@@ -481,11 +524,105 @@ class _LatentAttention:
         )
 
 
+class _PassCache:
+    """What a :class:`_CacheFedAttention` layer takes for its cache in a batched pass.
+
+    ``update`` writes the pass's new K/V (``[1, heads, T, dim]``) to the blocks and
+    returns every sequence's gathered K/V laid end to end along one key axis
+    (``[1, heads, B * NB * block_size, dim]``), which :meth:`bias` masks so that each
+    query sees its own sequence's past only.
+    """
+
+    def __init__(self, meta: BatchMeta) -> None:
+        self.meta = meta
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        storage = self.meta.storage
+        # Falcon's newer layout hands K/V repeated for every query head of a K/V head:
+        # the blocks hold each K/V head once.
+        group = key.shape[1] // storage.layout.num_kv_heads
+        new_k, new_v = key[0, ::group].transpose(0, 1), value[0, ::group].transpose(0, 1)
+        storage.write_rows(layer_idx, self.meta.new_rows, new_k, new_v)
+        k, v = storage.read_rows(layer_idx, self.meta.full.rows)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return k, v
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive ``[1, 1, T, B * NB * block_size]`` mask over :meth:`update`'s keys."""
+        meta = self.meta
+        view = meta.full
+        keys = view.mask.shape[-1]
+        rows = view.mask[:, 0].reshape(meta.B * meta.Q, keys)  # [B * Q, keys]
+        if meta.decode_only:
+            seq = torch.arange(meta.B, device=rows.device)
+        else:
+            rows = rows.index_select(0, meta.q_scatter)
+            seq = torch.div(meta.q_scatter, meta.Q, rounding_mode="floor")
+        tokens = rows.shape[0]
+        mask = torch.zeros((tokens, meta.B, keys), dtype=torch.bool, device=rows.device)
+        mask[torch.arange(tokens, device=rows.device), seq] = rows
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        bias.masked_fill_(~mask, float("-inf"))
+        return bias.view(1, 1, tokens, meta.B * keys)
+
+
+class _CacheFedAttention:
+    """Mixed into an attention class that attends in code of its own (Falcon's), not
+    through transformers' attention interface, by :func:`install`.
+
+    In a batched pass the layer gets a :class:`_PassCache` for its cache and that
+    cache's mask for its attention mask, and runs its own code over them; outside a
+    batch nothing changes.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        meta = batch_of(self, kwargs)  # type: ignore[arg-type]
+        if meta is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if kwargs.get("alibi") is not None:
+            raise ConfigError("ALiBi position biases are not served from kvtier's blocks")
+        cache = _PassCache(meta)
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        kwargs["layer_past"] = cache
+        kwargs["attention_mask"] = cache.bias(hidden.dtype)
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+
+def _feed_caches(model: Any) -> None:
+    """Give every attention module of ``model`` that bypasses the attention interface
+    (Falcon's) the :class:`_CacheFedAttention` behaviour."""
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconAttention
+    except ImportError:  # a transformers release without Falcon
+        return
+    for module in model.modules():
+        # Its subclasses (flash attention) attend without the mask: only this one is fed.
+        if type(module) is FalconAttention:
+            mix_in(module, _CacheFedAttention)
+
+
 def _store_latents(model: Any) -> None:
     """Give every MLA attention module of ``model`` the latent-storing behaviour."""
     for module in model.modules():
         if hasattr(module, "expand_kv") and hasattr(module, "kv_b_proj"):
             mix_in(module, _LatentAttention)
+
+
+def _mark_windows(model: Any) -> None:
+    """Give each attention layer of ``model`` its window from the config's layer plan."""
+    config = getattr(model.config, "text_config", None) or model.config
+    try:
+        spec = attention_spec(lambda name: getattr(config, name, None))
+    except ConfigError:
+        return  # a plan with other kinds of layers (hybrids), whose models pass windows
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and 0 <= layer < spec.num_layers:
+            module._kvtier_window = spec.windows[layer]
 
 
 def install(model: Any) -> None:
@@ -507,6 +644,14 @@ def install(model: Any) -> None:
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _store_latents(model)
+    _feed_caches(model)
+    _mark_windows(model)
+    for handle in getattr(model, "_kvtier_pass_hooks", ()):
+        handle.remove()
+    model._kvtier_pass_hooks = (
+        model.register_forward_pre_hook(_enter_pass, with_kwargs=True),
+        model.register_forward_hook(_leave_pass, with_kwargs=True, always_call=True),
+    )
     from kvtier.engine.conv_layers import install_short_convs
     from kvtier.engine.local_attention import install_local_attention
     from kvtier.engine.state_layers import install_state_layers

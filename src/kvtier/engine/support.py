@@ -15,9 +15,10 @@ layers of Qwen3-Next, Qwen3.5, Kimi Linear, Bamba, Granite 4, Nemotron-H,
 Falcon-H1 and Jamba from checkpoints of their recurrent state kept with the blocks
 (:mod:`kvtier.engine.state_layers`). Nothing else is: other state-space
 families are unchecked, attention sinks add a learned logit to every
-softmax, and soft-capping bends the attention logits. Served through
-kvtier's blocks, such a model would answer differently from the model
-itself, without a word.
+softmax, soft-capping bends the attention logits, and ALiBi biases (BLOOM,
+MPT, Falcon's ``alibi`` form) are added by attention code of the model's
+own. Served through kvtier's blocks, such a model would answer differently
+from the model itself, without a word.
 
 :func:`check_supported` reads only config fields (a ``config.json``, a GGUF
 file's metadata or a loaded config object), so a server refuses a model it
@@ -324,6 +325,9 @@ def _unsupported_feature(get: Callable[[str], object], name: str | None) -> str 
             attention_spec(get)
         except ConfigError as exc:
             return f"an attention plan kvtier cannot read ({exc})"
+    if get("alibi") is True:
+        # Falcon's ALiBi form: biases built from a per-sequence mask, added in its own code.
+        return "ALiBi position biases (alibi is true)"
     if get("use_bidirectional_attention") is True:
         return "bidirectional attention (use_bidirectional_attention is true)"
     if name == "gemma3_text" and get("vision_config") is not None:
