@@ -47,10 +47,11 @@ VLLM_NODEPS := openai-harmony uvloop partial-json-parser xgrammar==0.2.8 \
 SGLANG_NODEPS := triton==3.8.0 compressed-tensors==0.20.0
 
 # llama-cpp-python for the prompt-cache tests has no Linux wheel on PyPI, so pip
-# compiles llama.cpp: for any x86-64 CPU with AVX2 and without llama.cpp's own
-# programs, which takes about 6 minutes on 2 cores.
+# compiles llama.cpp: for any x86-64 CPU with AVX2, without llama.cpp's own
+# programs and without the multimodal library (the tests serve text), which
+# takes about 6 minutes on 2 cores.
 LLAMA_WHEEL_DIR := dist/llama-cpp
-LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+LLAMA_CPP_CMAKE := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF
 
 $(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
@@ -147,7 +148,8 @@ libibverbs:
 # Tests run in as many pytest-xdist workers as there are cores: most of them keep
 # one core busy at a time (Python, hypothesis, a server's round trips), so a 2-core
 # machine runs the suite in about two thirds of the time. A file stays on one
-# worker (--dist loadfile), so a module's servers and models are set up once.
+# worker (--dist loadfile), so a module's servers and models are set up once;
+# tests/conftest.py hands out the longest files first and the family sweep in parts.
 PYTEST_WORKERS ?= auto
 PYTEST = $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 

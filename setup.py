@@ -11,6 +11,7 @@ without a C compiler falls back to pure Python on its own.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -26,19 +27,31 @@ COMPILED = [
     "src/kvtier/policy/guard.py",
 ]
 
+# optional: a compiler error leaves src/kvtier/_tokpack.py in charge.
+NATIVE = Extension("kvtier._tokpack", ["src/kvtier/_tokpack.c"], optional=True)
 
-def ext_modules() -> list[object]:
+# The commands that compile. A PEP 517 build runs setup.py once per hook
+# (requirements, metadata, wheel) and mypyc's translation takes minutes, so the
+# metadata hooks name the C extension only and skip the translation.
+BUILDS = {"build", "build_ext", "bdist_wheel", "install", "develop", "editable_wheel"}
+
+
+def ext_modules() -> list[Extension]:
     if os.environ.get("KVTIER_PURE_PYTHON") == "1":
         return []
-    # optional: a compiler error leaves src/kvtier/_tokpack.py in charge.
-    native: list[object] = [Extension("kvtier._tokpack", ["src/kvtier/_tokpack.c"], optional=True)]
+    if not BUILDS & set(sys.argv[1:]):
+        return [NATIVE]
     try:
         from mypyc.build import mypycify
 
-        return [*mypycify(COMPILED, opt_level="3", separate=False), *native]
+        modules = list(mypycify(COMPILED, opt_level="3", separate=False))
     except (Exception, SystemExit) as exc:  # no mypyc, a type error, no compiler: pure Python
         print(f"kvtier: building without mypyc ({exc}); pure Python", file=sys.stderr)
-        return native
+        return [NATIVE]
+    # mypy's graph of the whole import tree is garbage now; left to the collector,
+    # tearing it down at exit takes about as long as a third of the translation.
+    gc.freeze()
+    return [*modules, NATIVE]
 
 
 setup(ext_modules=ext_modules())

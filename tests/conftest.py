@@ -4,7 +4,9 @@ With ``KVTIER_PURE_PYTHON=1`` the tests import kvtier's ``.py`` sources even
 where mypyc-compiled modules are installed, so one environment tests both
 the compiled hot paths and the pure-Python fallback.
 
-Under pytest-xdist each worker runs torch on one thread (see below).
+Under pytest-xdist each worker runs torch on one thread (see below), and
+``--dist loadfile`` hands out the longest files first, the model-family
+sweep in several parts.
 
 With ``KVTIER_REQUIRE_ALL=1`` (``make test``, i.e. CI) every skip fails the
 run, except those :func:`needs.need_hardware` raises for hardware CI lacks:
@@ -18,9 +20,12 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import zlib
+from collections import defaultdict
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 # Under pytest-xdist the workers share the cores: torch's OpenMP pool of one
 # thread per core in each worker makes them spin against each other (a
@@ -105,6 +110,46 @@ def _refuse_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
         "install what is missing (make venv, make redis-server), or guard the test with "
         "needs.need_hardware if CI can never have it"
     )
+
+
+#: Rough seconds a test takes, by its mark, to order files longest first.
+SECONDS_BY_MARK = {"slow": 60.0, "process": 20.0, "families": 2.0}
+SECONDS_UNMARKED = 0.3
+
+#: Files whose parametrized tests share no module state and are run in this many
+#: parts at once: the conformance sweep is minutes of one core.
+SPLIT_FILES = {"test_families.py": 4}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (by :data:`SECONDS_BY_MARK`): pytest-xdist hands files to
+    workers in collection order, and a suite that ends on a long file keeps one worker
+    busy for minutes while the other idles."""
+    seconds: dict[Path, float] = defaultdict(float)
+    for item in items:
+        marked = [s for mark, s in SECONDS_BY_MARK.items() if item.get_closest_marker(mark)]
+        seconds[item.path] += max(marked, default=SECONDS_UNMARKED)
+    items.sort(key=lambda item: -seconds[item.path])  # stable: a file's order is kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` in collection order, with :data:`SPLIT_FILES` in parts."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            parts = SPLIT_FILES.get(Path(path).name)
+            if parts is None or "[" not in nodeid:
+                return path
+            return f"{path}#{zlib.crc32(nodeid.encode()) % parts}"
+
+    # xdist would order files by their number of tests, putting the few slowest last.
+    config.option.loadscopereorder = False
+    return LongestFirst(config, log)
 
 
 @pytest.hookimpl(wrapper=True)
