@@ -111,16 +111,23 @@ def preflight(config: Any) -> tuple[Any, list[str]]:
     """Check a configuration before any weights load; the tokenizer and warnings, or ConfigError.
 
     Reads the model's metadata (milliseconds, even for a GGUF file), sizes the
-    KV cache and the context, loads the tokenizer to fit the chat template in
-    the cache, and checks every tier's size and medium.
+    KV cache and the context, checks that the weights and the KV cache fit the
+    device's free memory, loads the tokenizer to fit the chat template in the
+    cache, and checks every tier's size and medium.
     """
+    from kvtier.engine.config import check_memory
     from kvtier.engine.engine import check_config
-    from kvtier.engine.model import load_tokenizer, probe_model
+    from kvtier.engine.model import load_tokenizer, probe_model, weight_size
 
     info = probe_model(config.model, model_id=config.model_id)
     layout = info.layout(config.cache.block_size, config.dtype)
     plan = config.plan(layout, info.max_positions)
     stored = plan.layout
+    weights = weight_size(config.model, config.dtype, model_id=config.model_id)
+    if weights is not None:
+        check_memory(
+            weights, plan.num_blocks * stored.bytes_per_block, config.device, info.model_id
+        )
     print(
         f"kvtier: {info.model_id}: {plan.num_blocks} KV blocks of {stored.block_size} tokens "
         f"({plan.num_blocks * stored.bytes_per_block / 2**20:.0f} MiB, "

@@ -7,19 +7,24 @@ takes, and what :meth:`EngineConfig.plan` checks against a model's
 blocks the KV cache holds, the context length, and whether the tiers fit a
 block. The engine sizes itself with the same :func:`plan_cache`, so the
 checks a server runs at startup are the ones the engine would apply.
+:func:`check_memory` refuses a model whose weights and KV cache together
+exceed the memory the device has free, before the weights are read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
 from kvtier.mm.config import EncoderCacheSpec
 from kvtier.offload.config import TierSpec
 from kvtier.pressure.config import PressureSpec
+
+if TYPE_CHECKING:
+    from kvtier.engine.model import WeightSize
 
 #: Tokens the smallest useful request needs beyond its prompt (one generated token).
 _MIN_COMPLETION = 1
@@ -221,6 +226,70 @@ def check_min_request(plan: CachePlan, min_prompt_tokens: int) -> None:
             f"request takes {need} (the chat template alone is {min_prompt_tokens} tokens): "
             "raise --kv-cache-memory or --num-blocks (or --max-model-len)"
         )
+
+
+def available_memory(device: str) -> tuple[int, str] | None:
+    """``(bytes free, where they are)`` on ``device``; ``None`` when unknown.
+
+    On ``cpu`` the host's available memory (its container's, if that limit
+    is lower); on CUDA the device's free memory.
+    """
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        from kvtier.errors import MonitorUnavailableError
+        from kvtier.pressure.host import HostMemoryMonitor
+
+        try:
+            monitor = HostMemoryMonitor()
+            reading = monitor.read()
+        except MonitorUnavailableError:
+            return None
+        where = "this container" if reading.source == "host:cgroup" else "this machine"
+        return reading.total - reading.used, f"available on {where}"
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free on {device}"
+    return None
+
+
+def check_memory(weights: WeightSize, kv_bytes: int, device: str, model_id: str) -> None:
+    """ConfigError when ``weights`` plus ``kv_bytes`` of KV cache exceed what ``device`` has free.
+
+    Run before the weights load, so a model that cannot fit is refused in a
+    second with what to change, rather than after minutes of reading, or by
+    the kernel's out-of-memory killer.
+    """
+    free = available_memory(device)
+    if free is None:
+        return
+    have, where = free
+    need = weights.nbytes + kv_bytes
+    if need <= have:
+        return
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:,.2f} GiB"
+
+    fixes: list[str] = []
+    if weights.nbytes < have:
+        fixes.append(f"a --kv-cache-memory below {gib(have - weights.nbytes)}")
+    if weights.dtype == "float32":
+        fixes.append(f"--dtype bfloat16 (weights of {gib(weights.nbytes // 2)})")
+    fixes.append("a smaller model")
+    fixes.append(
+        "an engine that keeps quantized weights quantized (vLLM, SGLang, llama.cpp): "
+        "kvtier dequantizes a GGUF file's tensors to --dtype"
+    )
+    raise ConfigError(
+        f"{model_id} does not fit: its weights need {gib(weights.nbytes)} "
+        f"({weights.parameters:,} parameters in {weights.dtype}, from {weights.source}) and "
+        f"its KV cache {gib(kv_bytes)} (--kv-cache-memory), {gib(need)} in all, but only "
+        f"{gib(have)} is {where}; use {'; '.join(fixes[:-1])}; or {fixes[-1]}"
+    )
 
 
 @dataclass(frozen=True)

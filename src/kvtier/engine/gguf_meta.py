@@ -4,7 +4,9 @@ Loading a GGUF model through transformers (or ``gguf.GGUFReader``) parses
 every tensor and tokenizer entry, seconds of work before a server can tell
 that its KV cache is too small for the model. The header alone says the
 geometry: this reader walks the key/value section, keeps the scalars and
-strings, and skips arrays (the vocabulary) without decoding them.
+strings, and skips arrays (the vocabulary) without decoding them. The
+tensor table that follows it gives each tensor's shape, so the weights'
+size is known before any of them is read.
 """
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ class _Cursor:
 
 def read_gguf_metadata(path: str | Path) -> Meta:
     """Scalar and string metadata of a GGUF file (arrays are skipped)."""
+    meta, _ = _read(path, tensors=False)
+    return meta
+
+
+def gguf_parameter_count(path: str | Path) -> int:
+    """How many values a GGUF file's tensors hold, from its tensor table (no tensor is read).
+
+    A quantized tensor counts its values, not its bytes: loaded through
+    transformers, every tensor is dequantized to the model's dtype.
+    """
+    _, count = _read(path, tensors=True)
+    return count
+
+
+def _read(path: str | Path, *, tensors: bool) -> tuple[Meta, int]:
     p = Path(path)
     try:
         with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -108,7 +125,7 @@ def read_gguf_metadata(path: str | Path) -> Meta:
             version = cur.u32()
             if version < 2:
                 raise ConfigError(f"{p}: GGUF version {version} is too old (need 2 or later)")
-            cur.u64()  # tensor count
+            tensor_count = cur.u64()
             kv_count = cur.u64()
             meta: Meta = {}
             for _ in range(kv_count):
@@ -116,7 +133,17 @@ def read_gguf_metadata(path: str | Path) -> Meta:
                 value = cur.value(cur.u32())
                 if value is not None:
                     meta[key] = value
-            return meta
+            values = 0
+            if tensors:
+                for _ in range(tensor_count):
+                    cur.skip_string()  # the tensor's name
+                    elements = 1
+                    for _ in range(cur.u32()):
+                        elements *= cur.u64()
+                    cur.u32()  # its ggml type
+                    cur.u64()  # its offset in the data section
+                    values += elements
+            return meta, values
     except (OSError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

@@ -295,6 +295,114 @@ def _hf_chat_template(path: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class WeightSize:
+    """How much memory a model's weights take once loaded, read without loading them."""
+
+    parameters: int
+    dtype: str
+    #: Which files (or which config) said so, for messages.
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.parameters * DTYPE_BYTES[self.dtype]
+
+
+def weight_size(
+    spec: str | os.PathLike[str] | None, dtype: str, *, model_id: str | None = None
+) -> WeightSize | None:
+    """The weights' size in ``dtype`` from the model's files, in milliseconds.
+
+    A GGUF file's tensor table gives each tensor's shape (transformers
+    dequantizes every tensor to ``dtype``, so a quantized file counts its
+    values, not its bytes). A directory's ``model.safetensors.index.json``
+    gives the total size its shards were saved at (``metadata.total_size``,
+    rescaled from the saved dtype in ``config.json``); a single
+    ``.safetensors`` file's header gives its tensors' shapes; without
+    either, the family's own class is built on the meta device from
+    ``config.json`` and its parameters counted. ``None`` when none of these
+    can say.
+    """
+    path, _ = _locate(spec, model_id)
+    if path.is_file():
+        from kvtier.engine.gguf_meta import gguf_parameter_count
+
+        return WeightSize(gguf_parameter_count(path), dtype, f"the tensor table of {path.name}")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        meta = _read_json(index).get("metadata")
+        meta = meta if isinstance(meta, dict) else {}
+        total, params = _count(meta.get("total_size")), _count(meta.get("total_parameters"))
+        saved = _saved_dtype(_read_json(path / "config.json"))
+        where = f"metadata.total_size of {index.name}"
+        if total is not None and saved is not None:
+            return WeightSize(total // DTYPE_BYTES[saved], dtype, where)
+        if params is not None:
+            return WeightSize(params, dtype, f"metadata.total_parameters of {index.name}")
+        if total is not None:  # saved dtype unknown: as saved
+            return WeightSize(total // DTYPE_BYTES[dtype], dtype, where)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        values = sum(_safetensors_values(f) for f in files)
+        return WeightSize(values, dtype, f"the headers of {', '.join(f.name for f in files)}")
+    params = _config_parameters(path)
+    if params is None:
+        return None
+    return WeightSize(params, dtype, f"the parameters of {path / 'config.json'}")
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def _saved_dtype(cfg: dict[str, Any]) -> str | None:
+    for name in ("dtype", "torch_dtype"):
+        value = cfg.get(name)
+        if isinstance(value, str) and value in _DTYPES:
+            return value
+    return None
+
+
+def _safetensors_values(path: Path) -> int:
+    """How many values a ``.safetensors`` file's header says its tensors hold."""
+    try:
+        with path.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 0 < size <= 100 * 2**20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the safetensors header of {path}: {exc}") from None
+    values = 0
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        shape = entry.get("shape")
+        if isinstance(shape, list):
+            n = 1
+            for dim in shape:
+                n *= int(dim)
+            values += n
+    return values
+
+
+def _config_parameters(path: Path) -> int | None:
+    """Parameters of the model ``config.json`` describes, built on the meta device (no memory)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception:  # a family transformers cannot build: nothing to count
+        return None
+    return int(sum(p.numel() for p in model.parameters()))
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
