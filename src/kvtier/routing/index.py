@@ -15,8 +15,14 @@ tokens, how many leading full blocks each instance holds.
 A stored chain whose parent key the index does not know (the instance
 stored the parent before the router listened, or the events in between were
 lost) cannot be named and is skipped: the index then under-reports what an
-instance holds, which costs a cache hit, never a wrong answer. Only the
-device medium is indexed; blocks on an instance's tiers are not counted.
+instance holds, which costs a cache hit, never a wrong answer.
+
+Blocks on an instance's tiers (events whose medium is not the device: host,
+disk, redis) are kept as plain key sets per medium (:attr:`InstanceIndex.tiers`):
+they carry no tokens, so :meth:`PrefixIndex.match` does not count them, but
+they say what the instance can load back. ``AllCleared`` empties every
+medium: a publisher that clears the device only tells the tiers again
+(``kvtier serve`` does, :mod:`kvtier.server.cache_events`).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class IndexCounters:
     #: Stored events skipped: no tokens, a token count that is not blocks x block_size,
     #: a LoRA adapter's blocks, or a block size unlike the instance's first.
     skipped_events: int = 0
-    #: Events on another medium than the device (tiers), ignored.
+    #: Events on another medium than the device (tiers): kept as keys, not matched.
     other_medium: int = 0
 
 
@@ -76,6 +82,8 @@ class InstanceIndex:
     keys: dict[int, int] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     counters: IndexCounters = field(default_factory=IndexCounters)
+    #: Per tier medium (kvtier's names: host, disk, redis), the keys it holds.
+    tiers: dict[str, set[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -90,6 +98,9 @@ class InstanceIndex:
         elif isinstance(event, BlocksRemoved):
             if event.medium != DEVICE:
                 self.counters.other_medium += 1
+                held = self.tiers.get(event.medium)
+                if held is not None:
+                    held.difference_update(event.keys)
                 return
             self.removed(event.keys)
         elif isinstance(event, AllCleared):
@@ -99,6 +110,7 @@ class InstanceIndex:
         counters = self.counters
         if event.medium != DEVICE:
             counters.other_medium += 1
+            self.tiers.setdefault(event.medium, set()).update(event.keys)
             return
         size = event.block_size
         keys = event.keys
@@ -142,7 +154,14 @@ class InstanceIndex:
         self.block_size = None
         self.keys.clear()
         self.counts.clear()
+        self.tiers.clear()
         self.counters.clears += 1
+
+    def held(self, medium: str = DEVICE) -> set[int]:
+        """The keys indexed on ``medium`` (a copy)."""
+        if medium == DEVICE:
+            return set(self.keys)
+        return set(self.tiers.get(medium, ()))
 
     def _forget(self, chain_hash: int) -> None:
         left = self.counts[chain_hash] - 1

@@ -11,7 +11,9 @@
 * ``GET /v1/cache/stats``: the cache manager's statistics, the engine's
   counters and the KV block layout, as JSON;
 * ``/admin/...``: list the engine's requests and move one to another server
-  (:mod:`kvtier.server.admin`);
+  (:mod:`kvtier.server.admin`); list the KV blocks held per medium and reset the
+  prefix cache (:mod:`kvtier.server.cache_events`, which also keeps the KV
+  events true across startup, resets and idle spells);
 * ``/v1/workflows``: register agent step graphs and report their progress
   (:mod:`kvtier.server.workflows`); completions take agent hints in a
   ``kvtier`` object (:mod:`kvtier.hints`);
@@ -582,6 +584,9 @@ def create_app(
     from kvtier.server.admin import register_admin
 
     register_admin(app, worker, auth)
+    from kvtier.server.cache_events import register_cache_events
+
+    register_cache_events(app, worker)
     from kvtier.server.workflows import register_workflows
 
     register_workflows(app, worker)

@@ -39,6 +39,14 @@ overrides or extends this.
 Not implemented: vLLM's optional replay (ROUTER) socket and its background
 publishing thread; :meth:`KvEventPublisher.flush` sends synchronously (a PUB
 socket never blocks: past the high-water mark it drops).
+
+The socket is an XPUB (a PUB that also hears subscriptions; subscribers see
+no difference), so that :meth:`KvEventPublisher.hold_until_subscribed` can
+keep a process's first batches until a subscriber has joined. Without it a
+restarted instance's first batch (``kvtier serve`` opens with
+``AllBlocksCleared`` and its warm tiers' blocks) goes out before the routers'
+SUB sockets have reconnected, and ZeroMQ drops it: the routers keep the dead
+process's blocks.
 """
 
 from __future__ import annotations
@@ -211,8 +219,13 @@ class KvEventPublisher(SinkBase):
         self._seq = 0
         self._linger = linger_ms
         self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = self._ctx.socket(zmq.PUB)
+        self._sock: zmq.Socket[Any] | None = self._ctx.socket(zmq.XPUB)
         self._sock.set_hwm(hwm)
+        #: Whether a subscription has been heard since the socket opened.
+        self.subscribed = False
+        # hold_until_subscribed: events kept (at most this many) until a subscriber joins.
+        self._hold: list[Any] | None = None
+        self._hold_max = 0
         port0 = endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] == "0"
         if bind is None:
             bind = port0 or "*" in endpoint or "::" in endpoint or endpoint.startswith(
@@ -304,9 +317,9 @@ class KvEventPublisher(SinkBase):
     # -- sending -----------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Events queued since the last flush."""
+        """Events queued and not sent (held ones included)."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + len(self._hold or ())
 
     @property
     def next_sequence(self) -> int:
@@ -322,12 +335,57 @@ class KvEventPublisher(SinkBase):
         )
         return self._encoder.encode(batch)
 
-    def flush(self, ts: float | None = None) -> int | None:
-        """Send the queued events as one batch; its sequence number, or None if none queued."""
+    def hold_until_subscribed(self, max_events: int = 100_000) -> None:
+        """Keep what is flushed until a subscriber has joined, then send it as one batch.
+
+        A PUB socket drops what it sends while nobody is subscribed; a
+        restarted process's first events (its ``AllBlocksCleared``) would be
+        lost to the routers whose SUB sockets have not reconnected yet. Past
+        ``max_events`` held, the oldest are dropped and the batch starts with an
+        ``AllBlocksCleared`` (a subscriber then under-reports what is held,
+        never over-reports it). Once a subscriber has joined, later ones join
+        a running stream, as with any PUB socket.
+        """
         with self._lock:
-            if not self._pending:
+            if max_events < 1:
+                raise ConfigError(f"max_events must be >= 1, got {max_events}")
+            if not self._heard():
+                self._hold = []
+                self._hold_max = max_events
+
+    def _heard(self) -> bool:
+        """Whether a subscriber has joined (reads the subscriptions the XPUB queued)."""
+        sock = self._sock
+        while sock is not None:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if frame[:1] == b"\x01":
+                self.subscribed = True
+        return self.subscribed
+
+    def flush(self, ts: float | None = None) -> int | None:
+        """Send the queued events as one batch; its sequence number, or None if none was sent.
+
+        Held events (:meth:`hold_until_subscribed`) go first, once a subscriber joined.
+        """
+        with self._lock:
+            held = self._hold
+            if held is not None:
+                held += self._pending
+                self._pending = []
+                if not self._heard():
+                    if len(held) > self._hold_max:
+                        del held[: len(held) - self._hold_max + 1]
+                        held.insert(0, self.schema.cleared())
+                    return None
+                self._hold = None
+                events = held
+            else:
+                events, self._pending = self._pending, []
+            if not events:
                 return None
-            events, self._pending = self._pending, []
             return self._send(events, ts)
 
     def publish(self, events: Sequence[Any], ts: float | None = None) -> int:
@@ -352,6 +410,7 @@ class KvEventPublisher(SinkBase):
                 self._sock.close(linger=self._linger)
                 self._sock = None
             self._pending.clear()
+            self._hold = None
 
     @property
     def closed(self) -> bool:
