@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
+from itertools import filterfalse
 from typing import Any
 
 from kvtier.agents.graph import FAR
@@ -64,6 +65,15 @@ class TailFirstLRU(LRUPolicy):
 
     def unpin_many(self, keys: Sequence[int]) -> None:
         super().unpin_many(keys[::-1])
+
+    def join(self, keys: Iterable[int], pinned: Container[int]) -> None:
+        """Insert ``keys`` of size 1 one after another, the ones in ``pinned`` pinned.
+
+        The same as ``insert(key, key in pinned)`` for each in turn.
+        """
+        keys = list(keys)
+        self._order.update(dict.fromkeys(filterfalse(pinned.__contains__, keys)))
+        self._pinned.update(filter(pinned.__contains__, keys))
 
     def access_many(self, keys: Sequence[int]) -> None:
         order = self._order
@@ -145,12 +155,26 @@ class ByReturn(PolicyBase):
             self._record_size(key, size)
         if pinned:
             self._held.add(key)
-        else:
-            self._push(key)
+            return
+        # _push, inline: every key that joins the class unpinned comes here.
+        seq = self._seq = self._seq + 1
+        entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
+        self._live[key] = entry
+        heap = self._heap
+        heapq.heappush(heap, (*entry, key))
+        if len(heap) > 4 * len(self._live) + 64:
+            self._compact()
 
     def access(self, key: int) -> None:
-        if key in self._live:
-            self._push(key)
+        live = self._live
+        if key in live:
+            seq = self._seq = self._seq + 1
+            entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
+            live[key] = entry
+            heap = self._heap
+            heapq.heappush(heap, (*entry, key))
+            if len(heap) > 4 * len(live) + 64:
+                self._compact()
 
     def pin(self, key: int) -> None:
         if self._live.pop(key, None) is None:
@@ -182,6 +206,20 @@ class ByReturn(PolicyBase):
                     self._forget_size(key)
                 return key
         return None
+
+    def evict_many(self, n: int) -> list[int]:
+        heap, live = self._heap, self._live
+        pop = heapq.heappop
+        out: list[int] = []
+        while heap and len(out) < n:
+            neg_until, neg_depth, neg_seq, key = pop(heap)
+            if live.get(key) == (neg_until, neg_depth, neg_seq):
+                del live[key]
+                out.append(key)
+        if self._sizes:
+            for key in out:
+                self._forget_size(key)
+        return out
 
     def __len__(self) -> int:
         return len(self._live) + len(self._held)

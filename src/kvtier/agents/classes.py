@@ -1,0 +1,298 @@
+"""Rank classes of the workflow policy: which class each resident block is in.
+
+:class:`RankClasses` keeps one eviction order per rank (the constants of
+:mod:`kvtier.agents.ranks`) and each resident block in the class its rank
+names: computed from the block's tag, its TTL pin and its agents'
+steps-to-execution, and moved only when one of those changes (a tag that
+gains an owner, a pin that starts or ends, a workflow that progresses).
+Victims come from the lowest class with evictable blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+from kvtier.agents.graph import FAR
+from kvtier.agents.ranks import (
+    DEFAULT,
+    DYNAMIC,
+    NEVER,
+    PINNED,
+    SHARED,
+    TIMED,
+    WAITING,
+    ByReturn,
+    TailFirstLRU,
+    keep_rank,
+)
+from kvtier.agents.tags import Owner, Tag
+from kvtier.agents.tracker import WorkflowTracker
+from kvtier.policy.base import EvictionPolicy, PolicyBase
+from kvtier.policy.guard import LRUGuard
+
+
+class RankClasses:
+    """One eviction order per rank, and the class of every resident key outside the default."""
+
+    _classes: dict[int, EvictionPolicy]
+    #: The classes' ranks, lowest first (a class, once made, stays).
+    _ranks: list[int]
+    #: Resident keys outside the default class, and their class.
+    _class_of: dict[int, int]
+    _pinned: set[int]
+    _tags: OrderedDict[int, Tag]
+    _expiry: dict[int, float]
+    _protected: dict[int, tuple[float, int]]
+    _global: EvictionPolicy
+    _size_table: dict[int, int] | None
+    _by_agent: dict[Owner, dict[int, None]]
+    _by_workflow: dict[str, dict[str, None]]
+    #: The spec whose agent prefixes were tagged, per workflow.
+    _tagged: dict[str, object]
+    #: workflow -> its agents' distances, as the tracker last gave them; a
+    #: workflow's entry goes whenever the tracker says it changed.
+    _dists: dict[str, dict[str, int]]
+    _listening: bool
+    tracker: WorkflowTracker
+    guard: LRUGuard | None
+    capacity: int
+    key_capacity: int
+
+    if TYPE_CHECKING:
+
+        def _new_fallback(self) -> EvictionPolicy: ...
+
+        def _depth(self, key: int) -> int: ...
+
+        def _tag_keys(
+            self,
+            keys: Sequence[int],
+            owner: Owner | None,
+            session: str | None,
+            *,
+            shared: bool = False,
+            reuse: str | None = None,
+            depths: Iterable[int] | None = None,
+        ) -> None: ...
+
+    def _cls(self, rank: int) -> EvictionPolicy:
+        c = self._classes.get(rank)
+        if c is None:
+            if rank == DEFAULT:
+                c = self._new_fallback()
+            else:
+                # Hint-ranked classes order their keys themselves: by when a pin
+                # ends, or by request recency with a chain's tail first.
+                c = (
+                    ByReturn(self._expiry, self._depth)
+                    if rank >= WAITING and rank in TIMED
+                    else TailFirstLRU()
+                )
+                if self.capacity:
+                    c.bind(self.capacity, max(1, self.capacity // max(self.key_capacity, 1)))
+            self._classes[rank] = c
+            bisect.insort(self._ranks, rank)
+        return c
+
+    def _rank_of(self, key: int) -> int:
+        return self._class_of.get(key, DEFAULT)
+
+    def _rank(self, key: int) -> int:
+        """The class ``key`` belongs in now: its tag, its pin, its agents' distances."""
+        if key in self._protected:
+            return PINNED
+        tag = self._tags.get(key)
+        if tag is None:
+            return WAITING if key in self._expiry else DEFAULT
+        reuse = tag.reuse
+        if reuse == "never":
+            return NEVER
+        if not tag.shared and key in self._expiry:
+            # A shared prefix's pin ends when its last user is due, but it is due
+            # when its first one is: it ranks as a shared prefix, above every wait.
+            return WAITING
+        d = FAR
+        owners = tag.owners
+        if owners:
+            dists = self._dists
+            for wid, aid in owners:
+                table = dists.get(wid)
+                if table is None:
+                    table = self._distances(wid)
+                x = table.get(aid, FAR)
+                if x < d:
+                    d = x
+        if d >= FAR and reuse == "likely":
+            d = FAR - 1
+        # keep_rank, inline: this runs for every hinted block a request touches.
+        if d < 0:
+            d = 0
+        return (SHARED if tag.shared else DYNAMIC) + (FAR - d)
+
+    def _distances(self, workflow_id: str) -> dict[str, int]:
+        """The workflow's agents' steps-to-execution, kept until the tracker says it changed."""
+        state = self.tracker.get(workflow_id)
+        table = state.distances() if state is not None else {}
+        if self._listening:
+            self._dists[workflow_id] = table
+        return table
+
+    def _size(self, key: int) -> int:
+        table = self._size_table
+        if table is not None:
+            return table.get(key, 1) if table else 1
+        g = self._global
+        return g.size_of(key) if isinstance(g, PolicyBase) else 1
+
+    def _move(self, key: int) -> None:
+        """Put a resident key in the class it belongs in now."""
+        old = self._class_of.get(key, DEFAULT)
+        new = self._rank(key)
+        if new != old:
+            self._shift(key, old, new)
+
+    def _shift(self, key: int, old: int, new: int) -> None:
+        """Move a resident key from class ``old`` to class ``new`` (its newest entry there)."""
+        table = self._size_table
+        size = self._size(key) if table is None else table.get(key, 1) if table else 1
+        classes = self._classes
+        classes[old].remove(key)
+        c = classes.get(new)
+        if c is None:
+            c = self._cls(new)
+        c.insert(key, key in self._pinned, size)
+        if new == DEFAULT:
+            del self._class_of[key]
+        else:
+            self._class_of[key] = new
+
+    def _on_workflow(self, workflow_id: str) -> None:
+        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
+        self._dists.pop(workflow_id, None)
+        state = self.tracker.get(workflow_id)
+        if state is None:
+            self._tagged.pop(workflow_id, None)
+        elif self._tagged.get(workflow_id) is not state.spec:
+            # Registered or replaced: tag its prefixes once (progress does not change them).
+            self._tagged[workflow_id] = state.spec
+            for a in state.spec.agents:
+                if a.prefix_keys:
+                    self._tag_keys(a.prefix_keys, (workflow_id, a.agent_id), None, shared=True)
+        agents = self._by_workflow.get(workflow_id)
+        if not agents:
+            return
+        dists = self._dists.get(workflow_id)
+        if dists is None:
+            dists = self._distances(workflow_id)
+        rank = self._rank
+        shift = self._shift
+        classes = self._classes
+        class_of = self._class_of
+        by_agent = self._by_agent
+        tags = self._tags
+        protected = self._protected
+        expiry = self._expiry
+        table = self._size_table
+        # Keys of size 1 bound for a hint-ranked LRU class join it together at the
+        # end, each class's in the order visited (their order there either way).
+        batch = table is not None and not table
+        joining: dict[int, list[int]] = {}
+        for aid in list(agents):
+            owner = (workflow_id, aid)
+            keys = by_agent.get(owner)
+            if not keys:
+                continue
+            distance = dists.get(aid, FAR)
+            # Tail first: the class then evicts the chain's tail first, as it would have.
+            for key in reversed(keys):
+                old = class_of.get(key, DEFAULT)
+                tag = tags.get(key)
+                if tag is None or key in protected or tag.owners != [owner]:
+                    new = rank(key)
+                else:
+                    # _rank for a key of this agent alone, its distance read once.
+                    reuse = tag.reuse
+                    if reuse == "never":
+                        new = NEVER
+                    elif not tag.shared and key in expiry:
+                        new = WAITING
+                    else:
+                        d = FAR - 1 if distance >= FAR and reuse == "likely" else distance
+                        new = (SHARED if tag.shared else DYNAMIC) + (FAR - max(d, 0))
+                if new == old:
+                    continue
+                if batch and new != DEFAULT and new not in TIMED:
+                    classes[old].remove(key)
+                    class_of[key] = new
+                    group = joining.get(new)
+                    if group is None:
+                        joining[new] = [key]
+                    else:
+                        group.append(key)
+                else:
+                    shift(key, old, new)
+        pinned = self._pinned
+        for new, group in joining.items():
+            c = classes.get(new)
+            if c is None:
+                c = self._cls(new)
+            if isinstance(c, TailFirstLRU):
+                c.join(group, pinned)
+            else:
+                for key in group:
+                    c.insert(key, key in pinned)
+
+    def _lowest_evictable(self) -> int | None:
+        classes = self._classes
+        for rank in self._ranks:
+            if classes[rank].num_evictable:
+                return rank
+        return None
+
+    def _by_class(self, keys: Sequence[int]) -> list[tuple[EvictionPolicy, Sequence[int]]]:
+        """``keys`` grouped by class (order kept within each), classes in order of first key."""
+        classes = self._classes
+        class_of = self._class_of
+        if not class_of:
+            return [(classes[DEFAULT], keys)]
+        ranks = list(map(class_of.get, keys, repeat(DEFAULT, len(keys))))
+        if not ranks:
+            return []
+        first = ranks[0]
+        if ranks.count(first) == len(ranks):
+            return [(classes[first], keys)]  # one class: the usual case
+        groups: dict[int, list[int]] = {}
+        for key, rank in zip(keys, ranks, strict=True):
+            group = groups.get(rank)
+            if group is None:
+                groups[rank] = [key]
+            else:
+                group.append(key)
+        return [(classes[rank], group) for rank, group in groups.items()]
+
+    def evictable_due_after(self, distance: int) -> int:
+        """Evictable size units of blocks due later than ``distance`` steps (or never).
+
+        What a prefetch for an agent ``distance`` steps away may evict without
+        evicting anything due sooner. 0 while the guard has eviction in
+        recency order (then no class order holds).
+        """
+        if self.guard is not None and self.guard.recency:
+            return 0
+        # Due later: dynamic suffixes and shared prefixes alike, never the pinned.
+        dynamic = keep_rank(distance, False)
+        shared_from, shared_to = keep_rank(FAR, True), keep_rank(distance, True)
+        total = 0
+        for rank, c in self._classes.items():
+            later = rank < dynamic or shared_from <= rank < shared_to
+            if later and c.num_evictable:
+                total += c.used - c.pinned_used if isinstance(c, PolicyBase) else c.num_evictable
+        return total
+
+    def rank_of(self, key: int) -> int:
+        """The class a resident key is in (:data:`DEFAULT` without hints)."""
+        return self._rank_of(key)
