@@ -140,14 +140,21 @@ class HintTags:
             if owner is not None and owner not in owners:
                 if owners:
                     is_shared = True
-                if n_owners < MAX_OWNERS:
+                recorded = n_owners < MAX_OWNERS
+                if recorded:
                     owners.append(owner)
                 if key in resident:
-                    keys_of = by_agent.get(owner)
-                    if keys_of is None:
-                        by_agent[owner] = {key: None}
-                    else:
-                        keys_of[key] = None
+                    # Only a recorded owner indexes the key: the key leaves the index
+                    # of the owners it records, so an agent past the cap would keep a
+                    # key that is gone and its workflow's progress would re-rank it.
+                    if recorded:
+                        keys_of = by_agent.get(owner)
+                        if keys_of is None:
+                            by_agent[owner] = {key: None}
+                        else:
+                            keys_of[key] = None
+                    # Seen all the same: its workflow visits its agents in the order
+                    # they were first seen, whatever the cap left out.
                     by_workflow.setdefault(owner[0], {})[owner[1]] = None
             if is_shared and new_reuse == "never":
                 new_reuse = None
