@@ -11,7 +11,11 @@ bench longer):
 
 * **slow**: 20 ms a call, 3 MB/s (a remote store over a busy link);
 * **matched**: 20 ms a call and the bandwidth at which loading the prompt's
-  blocks takes as long as recomputing them (measured on this machine first);
+  blocks takes as long as recomputing them (a recompute timed in this
+  process first, on an engine of its own); here neither loading nor
+  computing alone wins, and the engine does both at once: it loads the
+  prefix from its far end backwards while computing it from its start in
+  chunks, until the two meet (``kvtier.engine.connector``);
 * **fast**: no throttle at all (an unthrottled remote store);
 * **host**: the in-process host tier.
 
@@ -20,8 +24,9 @@ Each question is a prompt of ``--prompt-tokens`` tokens (a distinct
 that the engine has never seen: the time to its first token is the
 *recompute* time. Its blocks go to the tier as they are computed; then the
 device cache is emptied and the same prompt is asked again: the *repeat*
-time, the prefix coming from the tier, or computed again, or partly each,
-as the engine's load-or-recompute plan decides. Before the timings, each
+time, the prefix coming from the tier, or computed again, or partly each
+(one after the other, or together), as the engine's load-or-recompute plan
+decides. Before the timings, each
 engine learns its costs from its own work: a few short prompts are
 computed and repeated (so each tier completes loads of two sizes, and the
 model forward passes of several lengths). Every repeat's answer (``--new``
@@ -61,7 +66,7 @@ from kvtier.offload.tier import Tier
 
 BLOCK_SIZE = 16
 SLOW = (0.020, 3e6)
-GOALS = {"slow": 1.05, "fast": 0.10}
+GOALS = {"slow": 1.05, "matched": 0.70, "fast": 0.10}
 
 
 def prompts(tok: Any, n: int, prompt_tokens: int) -> list[list[int]]:

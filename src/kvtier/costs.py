@@ -19,7 +19,11 @@ engine's own work.
 * :class:`CostModel`: both, and the plan (:meth:`CostModel.plan`): how many
   of a prefix's tier blocks to load (always the chain's beginning, since a
   block is useless without its parent) so that the load and the computing
-  of the rest finish soonest, or none.
+  of the rest finish soonest, or none. Where loading and computing the
+  prefix cost about the same, :meth:`CostModel.overlap` estimates doing both
+  at once: the prefix computed from its start in chunks while its blocks
+  load from its end backwards, until the two meet (as Cake does, "Compute
+  or Load KV Cache? Why not both?", 2024).
 
 Every fit weighs recent observations more (an exponential decay), so the
 model follows a tier whose link gets slower or faster. Until a tier has
@@ -42,6 +46,17 @@ from kvtier.errors import BadRequestError
 DECAY = 0.98
 #: Context lengths at which the per-token prefill cost is reported.
 REPORT_CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
+#: Loading and computing a prefix together is considered when neither is more than
+#: this many times the other: further apart, the faster one alone is about as good.
+OVERLAP_RATIO = 3.0
+#: Chunks the compute, and groups the load, may split a prefix into when they run
+#: together: more meet closer to the ideal point but pay a pass overhead (a call
+#: latency) each; :meth:`CostModel.overlap` takes the pair it estimates fastest.
+OVERLAP_SPLITS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+#: The overlap is chosen on its estimate with the load, or the compute, this much
+#: slower than learned (the worse of the three): a meeting point that depends on
+#: a group arriving just before a pass ends would fall apart on a noisy machine.
+OVERLAP_MARGIN = 1.25
 
 
 class _LeastSquares:
@@ -249,6 +264,25 @@ class LoadPlan:
         return self.estimate_s is not None
 
 
+@dataclass(frozen=True, slots=True)
+class OverlapPlan:
+    """Loading a prefix's tier blocks from its end while computing it from its start."""
+
+    #: Estimated seconds: until the two meet, then the rest of the prompt computed (the
+    #: worse of the learned costs and of either side :data:`OVERLAP_MARGIN` slower).
+    estimate_s: float
+    #: Estimated seconds of loading every tier block alone (one call).
+    load_s: float
+    #: Estimated seconds of computing every tier block alone (one pass).
+    compute_s: float
+    #: Tier blocks the compute is expected to cover before the meeting point.
+    meet_blocks: int
+    #: Tokens the compute takes per pass while the load runs.
+    chunk_tokens: int
+    #: Blocks the load reads per medium call.
+    group_blocks: int
+
+
 class CostModel:
     """Tier load costs and prefill costs, and the plan they give (see the module docstring).
 
@@ -264,6 +298,9 @@ class CostModel:
         self._lock = threading.Lock()
         #: Plans made: loaded every tier block, some of them, none.
         self.plans = {"load_all": 0, "load_part": 0, "recompute": 0}
+        #: Plans that loaded and computed a prefix together (:meth:`overlap`), counted
+        #: apart from :attr:`plans`, which the sequential plan counted already.
+        self.overlaps = 0
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -336,6 +373,137 @@ class CostModel:
         self._count(best_k, t)
         return LoadPlan(best_k, t, best, totals[0], totals[t])
 
+    def overlap(
+        self,
+        *,
+        cached_tokens: int,
+        prompt_tokens: int,
+        block_size: int,
+        tier: str,
+        tier_blocks: int,
+        block_bytes: int,
+        max_ratio: float = OVERLAP_RATIO,
+    ) -> OverlapPlan | None:
+        """Estimate computing ``tier_blocks`` blocks after ``cached_tokens`` from their start
+        while ``tier`` loads them from their end; ``None`` when the costs are unknown or
+        loading and computing them differ by more than ``max_ratio``.
+
+        The compute goes a pass per chunk (each paying the pass overhead),
+        the load a call per group of blocks (each paying the latency). Before
+        each pass the compute looks at what has loaded: it waits for the load
+        when that would reach it before the pass ended (:meth:`overlap_step`),
+        and otherwise stops the pass where the loaded run starts; the two meet
+        once the compute reaches the loaded run.
+        Of the chunk and group sizes :data:`OVERLAP_SPLITS` gives, the pair
+        with the smallest estimate wins, each estimated as the worst of the
+        learned costs and of the load or the compute :data:`OVERLAP_MARGIN`
+        slower.
+        """
+        t = tier_blocks
+        if t < 2 or block_size <= 0 or cached_tokens + t * block_size >= prompt_tokens:
+            return None
+        with self._lock:
+            prefill = self.prefill.estimate()
+            load = self.loads.estimate(tier)
+        if prefill is None or load is None:
+            return None
+        end = cached_tokens + t * block_size
+        load_s = load.seconds(t * block_bytes)
+        compute_s = prefill.seconds(cached_tokens, end)
+        if load_s <= 0.0 or compute_s <= 0.0:
+            return None
+        if not 1.0 / max_ratio <= load_s / compute_s <= max_ratio:
+            return None
+        sizes = sorted({max(1, -(-t // n)) for n in OVERLAP_SPLITS if n <= t})
+        # Seconds of each pass, by (start block, blocks): the same ones recur across sizes.
+        passes: dict[tuple[int, int], float] = {}
+
+        def pass_s(pos: int, n: int) -> float:
+            got = passes.get((pos, n))
+            if got is None:
+                got = passes[(pos, n)] = prefill.seconds(
+                    cached_tokens + pos * block_size, cached_tokens + (pos + n) * block_size
+                )
+            return got
+
+        def meet(step: int, group: int, load_x: float, compute_x: float) -> tuple[float, int]:
+            # When each group (from the end) arrives, and where the loaded run then starts.
+            arrivals: list[tuple[float, int]] = []
+            clock, hi = 0.0, t
+            while hi > 0:
+                lo = max(0, hi - group)
+                clock += load.seconds((hi - lo) * block_bytes) * load_x
+                arrivals.append((clock, lo))
+                hi = lo
+            now, pos, lowest, i = 0.0, 0, t, 0
+            while True:
+                while i < len(arrivals) and arrivals[i][0] <= now:
+                    lowest = arrivals[i][1]
+                    i += 1
+                if pos >= lowest:
+                    return now, pos
+                n = min(step, lowest - pos)
+                took = pass_s(pos, n) * compute_x
+                reach = next(at for at, lo in arrivals if lo <= pos)
+                if reach - now <= took:
+                    now = reach  # the load gets here before the pass would end: wait for it
+                    continue
+                now += took
+                pos += n
+
+        rest = prefill.seconds(end, prompt_tokens)
+        best: OverlapPlan | None = None
+        for step in sizes:
+            for group in sizes:
+                worst, meet_at = 0.0, 0
+                for load_x, compute_x in (
+                    (1.0, 1.0),
+                    (OVERLAP_MARGIN, 1.0),
+                    (1.0, OVERLAP_MARGIN),
+                ):
+                    at, pos = meet(step, group, load_x, compute_x)
+                    if load_x == compute_x == 1.0:
+                        meet_at = pos
+                    worst = max(worst, at)
+                estimate = worst + rest
+                if best is None or estimate < best.estimate_s:
+                    best = OverlapPlan(
+                        estimate, load_s, compute_s, meet_at, step * block_size, group
+                    )
+        return best
+
+    def overlap_step(
+        self,
+        *,
+        tier: str,
+        computed: int,
+        boundary: int,
+        block_size: int,
+        chunk_tokens: int,
+        group_blocks: int,
+        block_bytes: int,
+        in_call_s: float,
+    ) -> int:
+        """Tokens a request loading and computing its prefix together computes next, from
+        ``computed`` on, its load's run starting at token ``boundary``; 0: it waits a step
+        for the load, which (its call in flight for ``in_call_s`` seconds) is estimated to
+        reach ``computed`` before such a pass would end."""
+        n = max(0, min(chunk_tokens, boundary - computed))
+        with self._lock:
+            prefill = self.prefill.estimate()
+            load = self.loads.estimate(tier)
+        if n == 0 or prefill is None or load is None:
+            return n
+        took = prefill.seconds(computed, computed + n)
+        blocks = boundary // block_size - computed // block_size
+        groups = -(-blocks // max(1, group_blocks))
+        reach = groups * load.seconds(group_blocks * block_bytes) - in_call_s
+        return 0 if reach <= took else n
+
+    def count_overlap(self) -> None:
+        with self._lock:
+            self.overlaps += 1
+
     def _count(self, k: int, t: int) -> None:
         key = "load_all" if k == t else ("recompute" if k == 0 else "load_part")
         with self._lock:
@@ -370,4 +538,9 @@ class CostModel:
                         str(c): pre.per_token_at(c) for c in REPORT_CONTEXTS
                     },
                 }
-            return {"tiers": tiers, "prefill": prefill, "plans": dict(self.plans)}
+            return {
+                "tiers": tiers,
+                "prefill": prefill,
+                "plans": dict(self.plans),
+                "overlap_plans": self.overlaps,
+            }

@@ -7,7 +7,9 @@ running request cannot get a block, the *newest* running request is
 preempted: its computed blocks stay cached, or are swapped to the first tier,
 and it resumes later. A request's prefix comes from the device cache and the
 tiers below it (:class:`~kvtier.engine.connector.KVConnector` loads it in the
-background while others run, as much of it as loads faster than it computes);
+background while others run, as much of it as loads faster than it computes,
+or, where loading and computing cost about the same, loads it from its far
+end while computing it from its start in chunks, until the two meet);
 a request whose prefix another is still computing waits a step for it
 instead of computing it again. A request for
 ``n`` choices computes its prompt once and forks it copy-on-write.
@@ -115,6 +117,7 @@ class Scheduler:
         for seq in [s for s in self.queues.all() if s.cancelled]:
             self.finish(seq, "abort", "", outs)
         self._finish_loads(outs, wait=False)
+        self._meet_overlaps(outs)
         out.batch = self._batch(outs)
         if isinstance(self.storage, WindowedKVStorage):
             self._hold_windows(self.storage, out.batch)
@@ -185,6 +188,8 @@ class Scheduler:
 
     def idle(self, outs: list[RequestOutput]) -> None:
         """Nothing could be scheduled: wait for a load, or for a prefetch, instead of spinning."""
+        if self.connector.wait_overlap(0.05):
+            return  # a compute waits for its prefix's load to reach it
         if any(s.load is not None for s in self.queues.running):
             self._finish_loads(outs, wait=True)
         elif self.queues.num_waiting:
@@ -205,6 +210,11 @@ class Scheduler:
             n = seq.num_tokens - seq.computed
             if n > 1:
                 n = min(n, budget)
+                cap = self.connector.overlap_cap(seq)
+                if cap is not None:
+                    # Its prefix is loading from the end: a chunk at a time, or none while
+                    # the load is about to reach it.
+                    n = min(n, cap)
                 if n <= 0:
                     continue
             if not self._grow(seq, seq.computed + n, batch, outs):
@@ -285,11 +295,15 @@ class Scheduler:
             if self.agents.deferred(keys[:device_hit]):
                 return _DEFERRED
             return None  # another request is computing (or loading) this prefix: wait for it
+        found = tier_hit
+        chunk = None
         if tier_hit:
-            # Load the part of the tier prefix whose load beats computing it; compute the rest.
-            tier_hit = self.connector.plan_load(seq, match)
+            # Load the part of the tier prefix whose load beats computing it; compute the
+            # rest; or load it from its end while computing it from its start.
+            tier_hit = self.connector.plan_load(seq, match, overlap=self._can_overlap(seq))
+            chunk = self.connector.planned_chunk(seq)
         hit = (device_hit + tier_hit) * bs
-        upto = hit + 1 if tier_hit else hit + min(n - hit, budget)
+        upto = hit + 1 if tier_hit else hit + min(n - hit, budget, chunk or budget)
         swapped = seq.swapped
         if swapped is not None and swapped.tail_key is not None:
             upto = max(upto, min(n, swapped.num_computed_tokens + 1))
@@ -325,12 +339,35 @@ class Scheduler:
             self.counters.cached_prompt_tokens += seq.computed
         if tier_hit:
             self.connector.start_load(seq, keys[device_hit : device_hit + tier_hit], device_hit)
+        elif chunk is not None:
+            self.connector.start_overlap(seq, keys[device_hit : device_hit + found], device_hit)
         self._mark_unready(seq)
         if seq.load is not None:
             return 0
         self.connector.load_tail(seq)
         left = seq.known - seq.computed
         return left if left > 0 else 0
+
+    def _can_overlap(self, seq: Seq) -> bool:
+        """Whether ``seq`` may load its tier prefix while computing it: not where the
+        pool keeps sliding windows (which slots a block holds is decided per pass), a
+        request with images, or one resuming a swapped-out part."""
+        return (
+            not isinstance(self.storage, WindowedKVStorage)
+            and seq.mm is None
+            and seq.swapped is None
+        )
+
+    def _meet_overlaps(self, outs: list[RequestOutput]) -> None:
+        """Install the loaded ends of prefixes whose compute has reached them."""
+        for seq in list(self.queues.running):
+            end = self.connector.overlap_meets(seq)
+            if end is None or not self.queues.is_running(seq):
+                continue
+            if seq.known < end and not self._grow(seq, end, [], outs):
+                continue  # it was preempted or ended, its load cancelled with it
+            self.connector.finish_overlap(seq)
+            self._mark_unready(seq)
 
     def match(self, seq: Seq, tiers: TierChain | None) -> PrefixMatch:
         """``seq``'s prefix match; its keys are hashed once and kept on it while it waits.
@@ -535,6 +572,7 @@ class Scheduler:
             if s is seq:
                 del batch[i]
                 break
+        self.connector.cancel_overlap(seq)
         if seq.load is not None:
             self.complete_load(seq)
         if swap and self.prefix_caching and self.connector.swap_out(seq):
@@ -556,6 +594,7 @@ class Scheduler:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
+        self.connector.cancel_overlap(seq)
         if seq.table is not None and reason in ("stop", "length"):
             self.agents.finished(seq)
         if seq.table is not None:

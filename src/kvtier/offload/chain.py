@@ -65,6 +65,7 @@ from kvtier.manager import KVCacheManager
 from kvtier.obs.episodes import Episodes, Summary
 from kvtier.offload import swap
 from kvtier.offload.admission import TierAdmission, WriteAll, make_admission
+from kvtier.offload.backward import BackwardLoad
 from kvtier.offload.compress import CompressionResult, compress
 from kvtier.offload.demote import Demoter
 from kvtier.offload.device_tier import DeviceStore
@@ -296,6 +297,75 @@ class TierChain:
                 for b in pending.batches:
                     self.tiers[b.tier].offload_manager.complete_load(b.keys)
             return loaded
+
+    # -- backward loads (load and compute together) -------------------------------------
+    def start_backward_load(self, keys: Sequence[int], group: int) -> BackwardLoad | None:
+        """Start reading the leading ``keys`` some tier holds, last first, on a thread.
+
+        ``None`` unless one tier serves them all (from the first on), on a
+        medium whose reads are slow I/O (``caps.background``): a run of two
+        tiers would meet the compute at either's boundary, which the plain
+        load handles, and a memory copy gains nothing from a thread. The keys
+        are pinned on their tier until :meth:`release_backward`. ``group``
+        keys are read per medium call.
+        """
+        with self._lock:
+            self._poll_locked()
+            plan = self._lookup(keys)
+            if not plan or any(t != plan[0] for t in plan):
+                return None
+            t = plan[0]
+            tier = self.tiers[t]
+            if not tier.medium.caps.background:
+                return None
+            tier.offload_manager.on_request(keys, len(plan))
+            wanted = list(keys[: len(plan)])
+            slots = tier.offload_manager.prepare_load(wanted)
+            load = BackwardLoad(tier.medium, t, list(zip(wanted, slots, strict=True)), group)
+        load.start()
+        return load
+
+    def install_backward(self, load: BackwardLoad, start: int, blocks: Sequence[int]) -> int:
+        """Verify the read payloads ``start`` .. the end and write them into ``blocks``.
+
+        ``start`` is at or after :attr:`BackwardLoad.lowest`; ``blocks`` are
+        the request's device blocks for those keys. Stops at the first block
+        that fails its checks (dropped from its tier, as any load drops it);
+        returns how many were written, in order from ``start``.
+        """
+        stored = load.take(start)
+        if not stored:
+            return 0
+        self.demote_pending()  # the install writes device blocks an eviction may still need
+        with self._lock:
+            keys = [k for k, _ in load.items[start:]]
+            b = LoadBatch(load.tier, start, keys, list(blocks))
+            b.slots = [s for _, s in load.items[start:]]
+            b.stored = list(stored)
+            got = self._install(b)
+            load.dropped.update(set(keys) - set(b.keys))
+            return got
+
+    def release_backward(self, load: BackwardLoad) -> None:
+        """Unpin a backward load's keys once its thread has ended, and tell :attr:`on_load`
+        what its reads cost."""
+        assert load.done or not load.thread.is_alive()
+        with self._lock:
+            tier = self.tiers[load.tier]
+            keys = [k for k, _ in load.items if k not in load.dropped]
+            if keys:
+                tier.offload_manager.complete_load(keys)
+            if isinstance(load.error, KvTierError):
+                self._unreachable(tier, load.error)  # counted and logged as any failed read
+            listener = self.on_load
+            fmt = tier.fmt
+            if listener is None or fmt is None:
+                return
+            for n, seconds in load.reads:
+                try:
+                    listener(tier.name, n, n * fmt.blob_size, seconds)
+                except Exception:  # a listener's failure never fails a load
+                    log.exception("the load listener failed")
 
     def _observe_load(self, b: LoadBatch, seconds: float) -> None:
         """Tell :attr:`on_load` what a whole batch cost (read and install)."""
