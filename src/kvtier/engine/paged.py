@@ -34,7 +34,7 @@ PhiMoE's slide through their masks alone) takes its window from the
 config's layer plan. Falcon's attention does its own attending rather than
 calling the attention interface; in a batch it is handed a cache that keeps
 its K/V in the blocks and a mask over what that cache returns
-(:class:`_CacheFedAttention`).
+(:mod:`kvtier.engine.own_attention`).
 
 All writes of a layer happen before its reads, so a sequence may read blocks
 another sequence of the same pass is computing (a prefix they share).
@@ -524,87 +524,6 @@ class _LatentAttention:
         )
 
 
-class _PassCache:
-    """What a :class:`_CacheFedAttention` layer takes for its cache in a batched pass.
-
-    ``update`` writes the pass's new K/V (``[1, heads, T, dim]``) to the blocks and
-    returns every sequence's gathered K/V laid end to end along one key axis
-    (``[1, heads, B * NB * block_size, dim]``), which :meth:`bias` masks so that each
-    query sees its own sequence's past only.
-    """
-
-    def __init__(self, meta: BatchMeta) -> None:
-        self.meta = meta
-
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        storage = self.meta.storage
-        # Falcon's newer layout hands K/V repeated for every query head of a K/V head:
-        # the blocks hold each K/V head once.
-        group = key.shape[1] // storage.layout.num_kv_heads
-        new_k, new_v = key[0, ::group].transpose(0, 1), value[0, ::group].transpose(0, 1)
-        storage.write_rows(layer_idx, self.meta.new_rows, new_k, new_v)
-        k, v = storage.read_rows(layer_idx, self.meta.full.rows)
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return k, v
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive ``[1, 1, T, B * NB * block_size]`` mask over :meth:`update`'s keys."""
-        meta = self.meta
-        view = meta.full
-        keys = view.mask.shape[-1]
-        rows = view.mask[:, 0].reshape(meta.B * meta.Q, keys)  # [B * Q, keys]
-        if meta.decode_only:
-            seq = torch.arange(meta.B, device=rows.device)
-        else:
-            rows = rows.index_select(0, meta.q_scatter)
-            seq = torch.div(meta.q_scatter, meta.Q, rounding_mode="floor")
-        tokens = rows.shape[0]
-        mask = torch.zeros((tokens, meta.B, keys), dtype=torch.bool, device=rows.device)
-        mask[torch.arange(tokens, device=rows.device), seq] = rows
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        bias.masked_fill_(~mask, float("-inf"))
-        return bias.view(1, 1, tokens, meta.B * keys)
-
-
-class _CacheFedAttention:
-    """Mixed into an attention class that attends in code of its own (Falcon's), not
-    through transformers' attention interface, by :func:`install`.
-
-    In a batched pass the layer gets a :class:`_PassCache` for its cache and that
-    cache's mask for its attention mask, and runs its own code over them; outside a
-    batch nothing changes.
-    """
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        meta = batch_of(self, kwargs)  # type: ignore[arg-type]
-        if meta is None:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        if kwargs.get("alibi") is not None:
-            raise ConfigError("ALiBi position biases are not served from kvtier's blocks")
-        cache = _PassCache(meta)
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        kwargs["layer_past"] = cache
-        kwargs["attention_mask"] = cache.bias(hidden.dtype)
-        return super().forward(*args, **kwargs)  # type: ignore[misc]
-
-
-def _feed_caches(model: Any) -> None:
-    """Give every attention module of ``model`` that bypasses the attention interface
-    (Falcon's) the :class:`_CacheFedAttention` behaviour."""
-    try:
-        from transformers.models.falcon.modeling_falcon import FalconAttention
-    except ImportError:  # a transformers release without Falcon
-        return
-    for module in model.modules():
-        # Its subclasses (flash attention) attend without the mask: only this one is fed.
-        if type(module) is FalconAttention:
-            mix_in(module, _CacheFedAttention)
-
-
 def _store_latents(model: Any) -> None:
     """Give every MLA attention module of ``model`` the latent-storing behaviour."""
     for module in model.modules():
@@ -644,7 +563,9 @@ def install(model: Any) -> None:
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     _store_latents(model)
-    _feed_caches(model)
+    from kvtier.engine.own_attention import feed_caches
+
+    feed_caches(model)
     _mark_windows(model)
     for handle in getattr(model, "_kvtier_pass_hooks", ()):
         handle.remove()
