@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from _common import REPO, format_table, git_state, log, machine_info, package_version, write_json
 
 import kvtier
-from kvtier.engine.paged import BatchMeta, SeqSlice, paged_attention
+from kvtier.engine.paged import paged_attention
+from kvtier.layers.batch import BatchMeta, SeqSlice
 from kvtier.layout import KVLayout
 from kvtier.storage import KVBlockStorage
 

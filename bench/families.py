@@ -12,8 +12,8 @@ between engines), each token compared with transformers' own greedy
     python bench/families.py --write         # also the record kvtier admits by, and docs/models.md
     python bench/families.py --types gemma2,gpt_oss --cases "long prompts"
 
-``--write`` rewrites ``src/kvtier/engine/families.json`` (what
-:func:`kvtier.engine.support.check_supported` admits by) and the generated
+``--write`` rewrites ``src/kvtier/layers/families.json`` (what
+:func:`kvtier.layers.support.check_supported` admits by) and the generated
 table in docs/models.md; run it after upgrading transformers.
 """
 
@@ -40,7 +40,7 @@ from kvtier.conformance.sweep import (
     write_record,
 )
 
-RECORD = REPO / "src" / "kvtier" / "engine" / "families.json"
+RECORD = REPO / "src" / "kvtier" / "layers" / "families.json"
 DOC = REPO / "docs" / "models.md"
 BEGIN, END = "<!-- families table: begin -->", "<!-- families table: end -->"
 

@@ -136,8 +136,8 @@ def speed(device: torch.device, layers: int, seqs: int, prompt: int, new: int) -
     from tiny_model import greedy_ignoring_eos, run_all, seeded_prompt, tiny_tokenizer
 
     from kvtier.engine import Engine
-    from kvtier.engine.model import geometry
-    from kvtier.engine.state_spec import state_block_size, state_spec
+    from kvtier.layers.geometry import geometry
+    from kvtier.layers.state_spec import state_block_size, state_spec
 
     tok = tiny_tokenizer()
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]

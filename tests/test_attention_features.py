@@ -32,7 +32,7 @@ from tiny_model import check_saved_directory_serves  # noqa: E402
 from kvtier.conformance.cases import CASES  # noqa: E402
 from kvtier.conformance.tiny import TinyFamily, causal_lm_class, char_tokenizer, tiny_config  # noqa: E402
 from kvtier.engine.paged import attend_eager  # noqa: E402
-from kvtier.engine.support import config_features  # noqa: E402
+from kvtier.layers.support import config_features  # noqa: E402
 
 
 def _family(model_type: str) -> TinyFamily:

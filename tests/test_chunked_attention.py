@@ -40,8 +40,9 @@ from tiny_model import (  # noqa: E402
 )
 
 from kvtier.engine import layout_for_model  # noqa: E402
-from kvtier.engine.attention_spec import chunked_layers  # noqa: E402
-from kvtier.engine.paged import BatchMeta, SeqSlice, install  # noqa: E402
+from kvtier.engine.paged import install  # noqa: E402
+from kvtier.layers.attention_spec import chunked_layers  # noqa: E402
+from kvtier.layers.batch import BatchMeta, SeqSlice  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402
 
 BS = 4

@@ -1,6 +1,6 @@
 """Every family kvtier admits is exact in the conformance sweep, run again here.
 
-``kvtier/engine/families.json`` is the record kvtier admits models by: the
+``kvtier/layers/families.json`` is the record kvtier admits models by: the
 conformance sweep's outcome for every causal-LM family of the installed
 transformers (``python bench/families.py --write`` writes it). These tests
 are the evidence behind it: each family the record calls exact is built tiny
@@ -32,9 +32,9 @@ from kvtier.conformance.sweep import (  # noqa: E402
     run_family_in_process,
 )
 from kvtier.conformance.tiny import char_tokenizer, tiny_config  # noqa: E402
-from kvtier.engine import support  # noqa: E402
-from kvtier.engine.support import RECORD, SUPPORTED_MODEL_TYPES, check_supported  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layers import support  # noqa: E402
+from kvtier.layers.support import RECORD, SUPPORTED_MODEL_TYPES, check_supported  # noqa: E402
 
 FAMILIES: dict[str, dict[str, Any]] = RECORD["families"]
 EXACT_TYPES = sorted(t for t, e in FAMILIES.items() if e["outcome"] == EXACT)

@@ -42,13 +42,14 @@ from tiny_model import (  # noqa: E402
 )
 
 from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa: E402
-from kvtier.engine.attention_spec import short_conv_layers  # noqa: E402
 from kvtier.engine.config import EngineConfig  # noqa: E402
-from kvtier.engine.conv_layers import install_short_convs, pack  # noqa: E402
-from kvtier.engine.model import geometry, probe_model  # noqa: E402
-from kvtier.engine.paged import BatchMeta, SeqSlice  # noqa: E402
-from kvtier.engine.support import check_supported  # noqa: E402
+from kvtier.engine.model import probe_model  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layers.attention_spec import short_conv_layers  # noqa: E402
+from kvtier.layers.batch import BatchMeta, SeqSlice  # noqa: E402
+from kvtier.layers.conv import install_short_convs, pack  # noqa: E402
+from kvtier.layers.geometry import geometry  # noqa: E402
+from kvtier.layers.support import check_supported  # noqa: E402
 from kvtier.layout import KVLayout, cdiv  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402

@@ -35,7 +35,7 @@ from tiny_model import (  # noqa: E402
 )
 
 from kvtier.engine import KvTierCache, attach, layout_for_model  # noqa: E402
-from kvtier.engine.model import geometry  # noqa: E402
+from kvtier.layers.geometry import geometry  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
 from kvtier.offload.host import HostStore  # noqa: E402

@@ -31,8 +31,8 @@ from kvtier.cli import main  # noqa: E402
 from kvtier.conformance.tiny import MLA_FIELDS  # noqa: E402
 from kvtier.engine import Engine, SamplingParams  # noqa: E402
 from kvtier.engine.model import load_model, probe_model  # noqa: E402
-from kvtier.engine.support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layers.support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: E402
 
 _SMALL = {
     "hidden_size": 64,

@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvtier.engine.paged import BatchMeta, SeqSlice, paged_attention  # noqa: E402
+from kvtier.engine.paged import paged_attention  # noqa: E402
+from kvtier.layers.batch import BatchMeta, SeqSlice  # noqa: E402
 from kvtier.layout import KVLayout, cdiv  # noqa: E402
 from kvtier.storage import KVBlockStorage  # noqa: E402
 

@@ -367,7 +367,8 @@ def test_generation_through_moving_requests_gives_the_plain_models_tokens() -> N
     from tiny_model import solo_greedy, tiny_model_and_tokenizer
 
     from kvtier.engine.hf_cache import layout_for_model
-    from kvtier.engine.paged import BatchMeta, SeqSlice, install
+    from kvtier.engine.paged import install
+    from kvtier.layers.batch import BatchMeta, SeqSlice
 
     model, _ = tiny_model_and_tokenizer()
     install(model)

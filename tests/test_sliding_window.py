@@ -40,9 +40,10 @@ from tiny_model import (  # noqa: E402
 )
 
 from kvtier.engine import Engine, KvTierCache, attach, layout_for_model  # noqa: E402
-from kvtier.engine.attention_spec import AttentionSpec, attention_spec  # noqa: E402
-from kvtier.engine.paged import BatchMeta, SeqSlice, paged_attention  # noqa: E402
+from kvtier.engine.paged import paged_attention  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layers.attention_spec import AttentionSpec, attention_spec  # noqa: E402
+from kvtier.layers.batch import BatchMeta, SeqSlice  # noqa: E402
 from kvtier.layout import KVLayout, cdiv  # noqa: E402
 from kvtier.manager import KVCacheManager  # noqa: E402
 from kvtier.offload.chain import Tier  # noqa: E402

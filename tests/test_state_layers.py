@@ -43,9 +43,9 @@ from tiny_model import (  # noqa: E402
 
 from kvtier.engine import layout_for_model  # noqa: E402
 from kvtier.engine.config import EngineConfig  # noqa: E402
-from kvtier.engine.state_spec import state_spec  # noqa: E402
-from kvtier.engine.support import check_supported  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.layers.state_spec import state_spec  # noqa: E402
+from kvtier.layers.support import check_supported  # noqa: E402
 from kvtier.offload.host import HostStore  # noqa: E402
 from kvtier.offload.tier import Tier  # noqa: E402
 
@@ -461,7 +461,7 @@ def test_a_kvtier_cache_under_generate_is_refused(family: TinyFamily) -> None:
 
 def test_serve_picks_a_block_size_that_holds_a_state_unwidened(tmp_path: Path) -> None:
     from kvtier.cli.serve_config import state_block_size
-    from kvtier.engine.state_spec import state_block_size as smallest
+    from kvtier.layers.state_spec import state_block_size as smallest
 
     tok = tiny_tokenizer()
     config = _qwen3_next(tok, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -495,8 +495,9 @@ def checkpoints_and_states(
     passes (the second going on from the state the first left mid-block)."""
     import copy
 
-    from kvtier.engine.paged import BatchMeta, SeqSlice, install
-    from kvtier.engine.state_layers import _StateIO
+    from kvtier.engine.paged import install
+    from kvtier.layers.batch import BatchMeta, SeqSlice
+    from kvtier.layers.state import _StateIO
     from kvtier.storage import KVBlockStorage
 
     model = copy.deepcopy(reference).to(device)

@@ -70,7 +70,7 @@ def test_the_sdist_and_the_wheel_hold_the_package(dist: Path) -> None:
         files = set(whl.namelist())
     assert "kvtier/py.typed" in files and "kvtier/engine/engine.py" in files
     assert any(f.startswith("kvtier/data/") for f in files)  # the bundled sample trace
-    assert "kvtier/engine/families.json" in files  # the record models are admitted by
+    assert "kvtier/layers/families.json" in files  # the record models are admitted by
     assert not any(f.startswith("tests/") for f in files)
 
 

@@ -73,7 +73,7 @@ def state_block_size(config: Any) -> tuple[Any, str | None]:
     import dataclasses
 
     from kvtier.engine.model import probe_model
-    from kvtier.engine.state_spec import state_block_size as smallest
+    from kvtier.layers.state_spec import state_block_size as smallest
     from kvtier.layout import DTYPE_BYTES
 
     default = dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=16))

@@ -8,8 +8,8 @@ long prompts crossing windows and blocks, batches sharing a prefix with
 chunked prefill, preemption, a host-tier round trip, a request moved
 between engines) and compares every token with transformers' own greedy
 ``generate``. The outcome per family (exact, refused with the reason, or not
-buildable tiny) is the record :mod:`kvtier.engine.support` admits by
-(``kvtier/engine/families.json``); ``bench/families.py`` reruns the sweep,
+buildable tiny) is the record :mod:`kvtier.layers.support` admits by
+(``kvtier/layers/families.json``); ``bench/families.py`` reruns the sweep,
 prints the table and rewrites the record and ``docs/models.md``.
 
 Needs torch and transformers.

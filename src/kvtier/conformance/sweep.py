@@ -11,7 +11,7 @@ generic sizes, e.g. an encoder-decoder's or an image-text wrapper's).
 :func:`sweep` runs many, each in a process of its own (a family that
 crashes or hangs costs only itself), and :func:`write_record` /
 :func:`markdown_table` turn the results into the record
-:mod:`kvtier.engine.support` reads and the table in docs/models.md.
+:mod:`kvtier.layers.support` reads and the table in docs/models.md.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class FamilyResult:
     outcome: str
     #: Why it is refused or could not be built ("" when exact).
     reason: str = ""
-    #: The config features the exact run exercised (:func:`kvtier.engine.support.config_features`).
+    #: The config features the exact run exercised
+    #: (:func:`kvtier.layers.support.config_features`).
     features: tuple[str, ...] = field(default_factory=tuple)
     seconds: float = 0.0
 
@@ -87,8 +88,8 @@ def run_family(model_type: str, cases: Iterable[str] | None = None) -> FamilyRes
 
     from kvtier.conformance.cases import CASES, Mismatch
     from kvtier.conformance.tiny import TinyFamily, causal_lm_class, char_tokenizer, tiny_config
-    from kvtier.engine import support
     from kvtier.errors import ConfigError
+    from kvtier.layers import support
 
     start = time.perf_counter()
 
@@ -206,7 +207,7 @@ def sweep(
 
 
 def record(results: Iterable[FamilyResult]) -> dict[str, Any]:
-    """The record :mod:`kvtier.engine.support` admits by, as a JSON-ready dict."""
+    """The record :mod:`kvtier.layers.support` admits by, as a JSON-ready dict."""
     import transformers
 
     families = {}

@@ -18,18 +18,32 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.errors import ConfigError
-from kvtier.layout import KV_CACHE_DTYPES, KVLayout, cache_layout
+from kvtier.layout import DTYPE_BYTES, KV_CACHE_DTYPES, KVLayout, cache_layout
 from kvtier.mm.config import EncoderCacheSpec
 from kvtier.offload.config import TierSpec
 from kvtier.pressure.config import PressureSpec
 
 if TYPE_CHECKING:
-    from kvtier.engine.model import WeightSize
+    import torch
 
 #: Tokens the smallest useful request needs beyond its prompt (one generated token).
 _MIN_COMPLETION = 1
 #: Tokens one step computes at most when ``max_num_batched_tokens`` is not set.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
+#: The dtypes a model's weights are served in.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype a model dtype name stands for; :class:`ConfigError` if none."""
+    if name not in MODEL_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {name!r}")
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,20 @@ def available_memory(device: str) -> tuple[int, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class WeightSize:
+    """How much memory a model's weights take once loaded, read without loading them."""
+
+    parameters: int
+    dtype: str
+    #: Which files (or which config) said so, for messages.
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.parameters * DTYPE_BYTES[self.dtype]
+
+
 def check_memory(weights: WeightSize, kv_bytes: int, device: str, model_id: str) -> None:
     """ConfigError when ``weights`` plus ``kv_bytes`` of KV cache exceed what ``device`` has free.
 
@@ -321,7 +349,6 @@ class EngineConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __post_init__(self) -> None:
-        from kvtier.engine.model import resolve_dtype
         from kvtier.offload.admission import ADMISSIONS
         from kvtier.offload.config import check_tier_order
         from kvtier.offload.tier import WRITE_MODES

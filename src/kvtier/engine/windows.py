@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.engine.attention_spec import attention_spec, chunked_layers, short_conv_layers
 from kvtier.engine.config import CacheConfig, CachePlan, SchedulerConfig, plan_cache
-from kvtier.engine.state_spec import state_spec
 from kvtier.errors import ConfigError
+from kvtier.layers.attention_spec import attention_spec, chunked_layers, short_conv_layers
+from kvtier.layers.state_spec import state_spec
 from kvtier.layout import KVLayout, cdiv
 
 #: What a linear-attention or Mamba layer reads of the past, as a window: the checkpoint

@@ -1,10 +1,11 @@
 """The dispatch shared by model layers whose per-sequence memory kvtier keeps in its blocks.
 
-Short convolutions (:mod:`kvtier.engine.conv_layers`) and linear-attention /
-Mamba layers (:mod:`kvtier.engine.state_layers`) are served by mixing a
+Short convolutions (:mod:`kvtier.layers.conv`) and linear-attention /
+Mamba layers (:mod:`kvtier.layers.state`) are served by mixing a
 class into the model's own module class (:func:`mix_in`). The mixed-in
 ``forward`` takes the engine's batched pass (a ``kvtier_batch`` argument)
-to ``_batched`` and a :class:`~kvtier.engine.KvTierCache` to ``_cached``;
+to ``_batched`` and a :class:`BlockCache` (a :class:`~kvtier.engine.KvTierCache`)
+to ``_cached``;
 any other call runs the model's own code unchanged.
 """
 
@@ -15,7 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvtier.engine.paged import BatchMeta
+    from kvtier.layers.batch import BatchMeta
+    from kvtier.storage import KVBlockStorage
+
+
+class BlockCache:
+    """What a cache whose K/V live in kvtier's blocks is (:class:`~kvtier.engine.KvTierCache`):
+    the layers test for this base, so they need not import the cache itself."""
+
+    #: The blocks the cache's K/V live in.
+    storage: KVBlockStorage
 
 
 class BlockBackedLayer:
@@ -31,9 +41,7 @@ class BlockBackedLayer:
         meta: BatchMeta | None = kwargs.get("kvtier_batch")
         if meta is not None:
             return self._batched(hidden_states, meta)
-        from kvtier.engine.hf_cache import KvTierCache
-
-        if isinstance(cache, KvTierCache):
+        if isinstance(cache, BlockCache):
             return self._cached(hidden_states, cache, attention_mask)
         return super().forward(  # type: ignore[misc]
             hidden_states, cache=cache, attention_mask=attention_mask, **kwargs

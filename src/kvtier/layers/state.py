@@ -2,7 +2,7 @@
 
 A hybrid model's state layer (a gated delta-net, a Mamba-2 or Mamba-1
 mixer) keeps, per sequence, a convolution window and a recurrent state
-instead of per-token K/V (:mod:`kvtier.engine.state_spec`). kvtier
+instead of per-token K/V (:mod:`kvtier.layers.state_spec`). kvtier
 keeps that state in the blocks: a state layer's part of a block holds the
 layer's state after the block's last token so far, its raw bytes laid over
 the part's K and V values. Hence the invariant every pass relies on: the
@@ -48,13 +48,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.block_layers import BlockBackedLayer, mix_in
-from kvtier.engine.state_spec import StateSpec, state_spec
 from kvtier.errors import ConfigError
+from kvtier.layers.base import BlockBackedLayer, mix_in
+from kvtier.layers.geometry import geometry
+from kvtier.layers.registry import LayerKind, register
+from kvtier.layers.state_spec import StateSpec, state_spec
 from kvtier.storage import KVBlockStorage
 
 if TYPE_CHECKING:
-    from kvtier.engine.paged import BatchMeta
+    from kvtier.layers.batch import BatchMeta
 
 
 class _RunCache:
@@ -376,8 +378,6 @@ def install_state_layers(model: Any) -> int:
         )
     first_column = 0
     if spec.beside_attention:
-        from kvtier.engine.model import geometry
-
         # The layers' attention keeps its K/V in the first head_dim columns of each slot.
         first_column = geometry(lambda name: getattr(config, name, None))[3]
         for module in model.modules():
@@ -424,3 +424,6 @@ def check_exact_blocks(
             "a tier codec that quantizes blocks (int8, fp8) would round the recurrent states "
             "this model's linear-attention layers keep in the blocks: use the raw codec"
         )
+
+
+register(LayerKind("state", install_state_layers))

@@ -13,8 +13,8 @@ with :func:`first_visible`; :meth:`AttentionSpec.kv_tokens` says how many
 tokens of K/V each layer can still read at a given context length, which
 is what bounds the KV a sliding layer needs. :func:`short_conv_layers`
 names the layers of a hybrid (LFM2) that are short convolutions rather
-than attention (:mod:`kvtier.engine.conv_layers`); :func:`chunked_layers`
-the chunked local layers of Llama 4 (:mod:`kvtier.engine.local_attention`).
+than attention (:mod:`kvtier.layers.conv`); :func:`chunked_layers`
+the chunked local layers of Llama 4 (:mod:`kvtier.layers.local`).
 """
 
 from __future__ import annotations

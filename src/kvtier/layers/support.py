@@ -3,17 +3,17 @@
 kvtier stores one K and one V per KV head for every token of every layer.
 Its paged attention gives each query its sequence's whole past (full causal
 attention), the last ``sliding_window`` positions of it (a sliding layer,
-:mod:`kvtier.engine.attention_spec`) or its own chunk of it (Llama 4's
-chunked local layers, :mod:`kvtier.engine.local_attention`). That is
+:mod:`kvtier.layers.attention_spec`) or its own chunk of it (Llama 4's
+chunked local layers, :mod:`kvtier.layers.local`). That is
 exactly what a plain decoder computes, Gemma 3's interleave of sliding and
 full layers included. Two more kinds of layer are served from the same
 per-token slots: DeepSeek V3's multi-head latent attention (MLA) from its
 compressed latent (:mod:`kvtier.engine.paged`), and LFM2's short causal
 convolutions from each token's convolution input
-(:mod:`kvtier.engine.conv_layers`); and the linear-attention / Mamba
+(:mod:`kvtier.layers.conv`); and the linear-attention / Mamba
 layers of Qwen3-Next, Qwen3.5, Kimi Linear, Bamba, Granite 4, Nemotron-H,
 Falcon-H1 and Jamba from checkpoints of their recurrent state kept with the blocks
-(:mod:`kvtier.engine.state_layers`). Nothing else is: other state-space
+(:mod:`kvtier.layers.state`). Nothing else is: other state-space
 families are unchecked, attention sinks add a learned logit to every
 softmax, soft-capping bends the attention logits, and ALiBi biases (BLOOM,
 MPT, Falcon's ``alibi`` form) are added by attention code of the model's
@@ -42,7 +42,8 @@ from contextlib import contextmanager
 from importlib import resources
 from typing import Any
 
-from kvtier.engine.attention_spec import (
+from kvtier.errors import ConfigError
+from kvtier.layers.attention_spec import (
     CHUNKED,
     CONV,
     FULL,
@@ -51,8 +52,7 @@ from kvtier.engine.attention_spec import (
     chunked_layers,
     short_conv_layers,
 )
-from kvtier.engine.state_spec import LINEAR, STATE_MODEL_TYPES, state_spec
-from kvtier.errors import ConfigError
+from kvtier.layers.state_spec import LINEAR, STATE_MODEL_TYPES, state_spec
 
 #: The conformance sweep's record (``families.json``): per ``model_type``, its outcome,
 #: the config features an exact run exercised, or the reason it is refused.
@@ -61,7 +61,7 @@ _RECORD_FILE = "families.json"
 
 def _load_record() -> dict[str, Any]:
     try:
-        text = resources.files("kvtier.engine").joinpath(_RECORD_FILE).read_text()
+        text = resources.files("kvtier.layers").joinpath(_RECORD_FILE).read_text()
     except FileNotFoundError:
         return {"families": {}}
     record = json.loads(text)
@@ -78,17 +78,17 @@ SUPPORTED_MODEL_TYPES = frozenset(t for t, e in _FAMILIES.items() if e.get("outc
 _ON_TRIAL: set[str] = set()
 
 #: Of those, the families with chunked local attention layers (Llama 4), checked against the
-#: model's own answers (:mod:`kvtier.engine.local_attention`).
+#: model's own answers (:mod:`kvtier.layers.local`).
 CHUNKED_MODEL_TYPES = frozenset({"llama4_text"})
 
 #: Of those, the families with multi-head latent attention (MLA), served with their
-#: K and V decompressed per head (see :func:`kvtier.engine.model.geometry`).
+#: K and V decompressed per head (see :func:`kvtier.layers.geometry.geometry`).
 MLA_MODEL_TYPES = frozenset(
     {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "longcat_flash"}
 )
 
 #: Of those, the hybrids whose other layers are short causal convolutions (LFM2), served
-#: from each token's convolution input in the blocks (:mod:`kvtier.engine.conv_layers`).
+#: from each token's convolution input in the blocks (:mod:`kvtier.layers.conv`).
 SHORT_CONV_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe"})
 
 #: Known families kvtier does not serve yet, by the attention type that rules them out.
@@ -240,7 +240,7 @@ def check_supported(get: Callable[[str], object], *, source: str = "the model") 
     """Raise :class:`ConfigError` unless kvtier computes exactly what this model computes.
 
     ``get`` reads a config field (``None`` when absent), as for
-    :func:`kvtier.engine.model.geometry`. The check needs ``model_type``; a
+    :func:`kvtier.layers.geometry.geometry`. The check needs ``model_type``; a
     config without one is refused too, since nothing says what it is.
     """
     model_type = get("model_type")

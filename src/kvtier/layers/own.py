@@ -5,8 +5,7 @@ kvtier's paged attention implements: it updates its cache and attends over
 what the cache returns, with the model's mask. In a batched pass such a
 layer is handed a :class:`PassCache`, whose ``update`` writes to and gathers
 from kvtier's blocks, and the mask over what it gathered; outside a batch
-nothing changes. :func:`feed_caches` is called by
-:func:`kvtier.engine.paged.install`.
+nothing changes. :func:`feed_caches` is its registered layer kind.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.block_layers import mix_in
-from kvtier.engine.paged import BatchMeta, batch_of
 from kvtier.errors import ConfigError
+from kvtier.layers.base import mix_in
+from kvtier.layers.batch import BatchMeta, batch_of
+from kvtier.layers.registry import LayerKind, register
 
 
 class PassCache:
@@ -88,14 +88,20 @@ class CacheFedAttention:
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
-def feed_caches(model: Any) -> None:
+def feed_caches(model: Any) -> int:
     """Give every attention module of ``model`` that bypasses the attention interface
-    (Falcon's) the :class:`CacheFedAttention` behaviour."""
+    (Falcon's) the :class:`CacheFedAttention` behaviour; how many."""
     try:
         from transformers.models.falcon.modeling_falcon import FalconAttention
     except ImportError:  # a transformers release without Falcon
-        return
+        return 0
+    found = 0
     for module in model.modules():
         # Its subclasses (flash attention) attend without the mask: only this one is fed.
         if type(module) is FalconAttention:
             mix_in(module, CacheFedAttention)
+        found += isinstance(module, CacheFedAttention)
+    return found
+
+
+register(LayerKind("own-attention", feed_caches))

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.attention_spec import chunked_layers
-from kvtier.engine.block_layers import mix_in
+from kvtier.layers.attention_spec import chunked_layers
+from kvtier.layers.base import mix_in
+from kvtier.layers.registry import LayerKind, register
 
 
 class _Temperature:
@@ -78,3 +79,6 @@ def install_local_attention(model: Any) -> int:
             )
             marked += 1
     return marked
+
+
+register(LayerKind("local", install_local_attention))

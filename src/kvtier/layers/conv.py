@@ -9,7 +9,7 @@ whole "state" is a sliding window of per-token features, not a recurrence.
 
 kvtier stores each token's ``B * x`` in that layer's slot of the token's
 block, split over the slot's K (the first ``kv_heads * head_dim`` values)
-and V (the rest, zero-padded); :func:`kvtier.engine.model.geometry` widens
+and V (the rest, zero-padded); :func:`kvtier.layers.geometry.geometry` widens
 the slot until it holds ``hidden_size`` values. A convolution layer then
 works like a sliding-window attention layer of window ``L``: it writes its
 new tokens' features into their slots and reads the ``L - 1`` positions
@@ -17,7 +17,7 @@ before them back through the block table. Because everything a sequence
 needs lives in blocks keyed by its token prefix, prefix caching,
 preemption, offload tiers and migration serve these layers unchanged.
 
-:func:`install_short_convs` (called by :func:`kvtier.engine.paged.install`)
+:func:`install_short_convs` (a registered layer kind)
 gives every such module of a model this behaviour for the engine's batched
 passes (a ``kvtier_batch`` argument) and for a
 :class:`~kvtier.engine.KvTierCache`; any other call runs the model's own code.
@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kvtier.engine.block_layers import BlockBackedLayer, mix_in
 from kvtier.errors import ConfigError
+from kvtier.layers.base import BlockBackedLayer, BlockCache, mix_in
+from kvtier.layers.registry import LayerKind, register
 from kvtier.storage import KVBlockStorage
 
 if TYPE_CHECKING:
-    from kvtier.engine.paged import BatchMeta
+    from kvtier.layers.batch import BatchMeta
 
 
 class _ConvWindow:
@@ -212,10 +213,8 @@ class _NarrowAttention:
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from kvtier.engine.hf_cache import KvTierCache
-
         cache = kwargs.get("cache")
-        if isinstance(cache, KvTierCache):
+        if isinstance(cache, BlockCache):
             width = cache.storage.layout.head_dim
             if int(self.head_dim) < width:  # type: ignore[attr-defined]
                 kwargs["cache"] = _WidenedCache(cache, width)
@@ -262,3 +261,6 @@ def install_short_convs(model: Any) -> int:
         if _is_attention(module):
             mix_in(module, _NarrowAttention)
     return len(convs)
+
+
+register(LayerKind("short-conv", install_short_convs, for_cache=True))

@@ -10,7 +10,7 @@ output at position ``p`` depends on the whole prefix only through that
 state, so resuming a sequence at ``p`` needs the state exactly as it was
 after token ``p - 1``.
 
-kvtier keeps such a state in its blocks (:mod:`kvtier.engine.state_layers`):
+kvtier keeps such a state in its blocks (:mod:`kvtier.layers.state`):
 a state layer's part of a block holds the layer's state after the block's
 last token. :func:`state_spec` says which layers those are and how many
 bytes one state takes, from config fields alone, so a server sizes its
