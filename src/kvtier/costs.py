@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import BadRequestError
@@ -283,6 +283,44 @@ class OverlapPlan:
     group_blocks: int
 
 
+def best_load(
+    cached_tokens: int,
+    prompt_tokens: int,
+    block_size: int,
+    tier_plan: Sequence[str],
+    block_bytes: Sequence[int],
+    prefill: PrefillEstimate,
+    loads: Mapping[str, LoadEstimate],
+) -> tuple[int, list[float]]:
+    """The number of tier blocks to load that finishes a prompt soonest, and the estimate
+    for each choice (``totals[k]``: load the first ``k`` of ``tier_plan``'s blocks, then
+    compute the rest of the prompt in one pass).
+
+    A load pays each tier's latency once per run of blocks on that tier, and every
+    block's bytes; ties go to loading more (it spares the compute the other
+    requests share). The rule :meth:`CostModel.plan` applies with learned costs,
+    and the replay with given ones.
+    """
+    load_s = [0.0]
+    per_byte = 0.0
+    latency = 0.0
+    for i, name in enumerate(tier_plan):
+        est = loads[name]
+        if i == 0 or tier_plan[i - 1] != name:
+            latency += est.latency_s
+        if not math.isinf(est.bandwidth_bytes_s):
+            per_byte += block_bytes[i] / est.bandwidth_bytes_s
+        load_s.append(latency + per_byte)
+    best_k, best = 0, math.inf
+    totals = []
+    for k in range(len(tier_plan) + 1):
+        total = load_s[k] + prefill.seconds(cached_tokens + k * block_size, prompt_tokens)
+        totals.append(total)
+        if total <= best:
+            best_k, best = k, total
+    return best_k, totals
+
+
 class CostModel:
     """Tier load costs and prefill costs, and the plan they give (see the module docstring).
 
@@ -346,30 +384,16 @@ class CostModel:
             raise BadRequestError(f"{len(sizes)} block sizes for {t} tier blocks")
         with self._lock:
             prefill = self.prefill.estimate()
-            loads = {name: self.loads.estimate(name) for name in set(tier_plan)}
-        if t == 0 or prefill is None or any(e is None for e in loads.values()):
+            estimates = {name: self.loads.estimate(name) for name in set(tier_plan)}
+        loads = {name: e for name, e in estimates.items() if e is not None}
+        if t == 0 or prefill is None or len(loads) < len(estimates):
             if t:
                 self._count(t, t)
             return LoadPlan(t, t, None, None, None)
-        # The load time of the first k blocks, k = 0 .. t: bytes per tier, a latency per run.
-        load_s = [0.0]
-        per_byte = 0.0
-        latency = 0.0
-        for i, name in enumerate(tier_plan):
-            est = loads[name]
-            assert est is not None
-            if i == 0 or tier_plan[i - 1] != name:
-                latency += est.latency_s
-            if not math.isinf(est.bandwidth_bytes_s):
-                per_byte += sizes[i] / est.bandwidth_bytes_s
-            load_s.append(latency + per_byte)
-        best_k, best = 0, math.inf
-        totals = []
-        for k in range(t + 1):
-            total = load_s[k] + prefill.seconds(cached_tokens + k * block_size, prompt_tokens)
-            totals.append(total)
-            if total <= best:
-                best_k, best = k, total
+        best_k, totals = best_load(
+            cached_tokens, prompt_tokens, block_size, tier_plan, sizes, prefill, loads
+        )
+        best = totals[best_k]
         self._count(best_k, t)
         return LoadPlan(best_k, t, best, totals[0], totals[t])
 

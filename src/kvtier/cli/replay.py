@@ -14,9 +14,11 @@ from kvtier.cli.args import arg, parse_memory_size
 from kvtier.errors import ConfigError
 from kvtier.layout import KV_CACHE_DTYPES
 from kvtier.policy import available_policies, make_policy
+from kvtier.units import parse_rate, parse_seconds
 
 if TYPE_CHECKING:
     from kvtier.replay.capacity import Capacity
+    from kvtier.replay.timing import CostSpec
 
 _REPLAY_EPILOG = """\
 trace formats (JSONL, one request per line; the first line decides; .gz is read too):
@@ -56,6 +58,15 @@ metrics (totals over the trace):
               upper bound on block hits; gap = MIN - policy, in points
   ops/s       block accesses replayed per second of the simulation loop
 
+prefill time (--prefill-rate, prefix model):
+  With the model's compute speed (--prefill-rate tokens/s, optionally
+  --prefill-pair-cost s per attention query-key pair) and, with --tier-blocks,
+  the tier's load speed (--tier-bandwidth, --tier-latency), each admitted
+  request's prefill is timed alone under four rules: no cache at all, the
+  tier's blocks computed again, the tier's blocks loaded, and kvtier's plan
+  (load the tier blocks whose load beats computing them, compute the rest).
+  Blocks weigh --bytes-per-token x the block size.
+
 several engines (--engines N):
   Each engine has its own device cache (--capacity, per engine) and optionally
   its own host tier (--host-tier); --shared-tier adds one tier every engine
@@ -68,6 +79,7 @@ several engines (--engines N):
 
 examples:
   kvtier replay
+  kvtier replay --tier-blocks 2000 --tier-bandwidth 3MB/s --tier-latency 20ms --prefill-rate 4000
   kvtier replay trace.jsonl --engines 4 --route round-robin prefix -c 400 --host-tier 2.5%
   kvtier replay trace.jsonl --engines 4 --route round-robin -c 400 --shared-tier 10%
   kvtier replay trace.jsonl --policy all --capacity 1% 5% 10% --model block
@@ -193,12 +205,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tier-blocks must be >= 0, got {args.tier_blocks}")
     if args.model == "block" and args.tier_blocks:
         raise ConfigError("--tier-blocks applies to the prefix model only")
+    _cost_spec(args, 1)  # bad flags fail before the trace loads
     started = time.perf_counter()
     if args.trace is None:
         trace = load_sample_trace(block_size=args.block_size, limit=args.limit)
     else:
         trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     load_seconds = time.perf_counter() - started
+    costs = _cost_spec(args, trace.block_size)
     sized: list[Capacity] = []
     if args.kv_cache_memory:
         sized = memory_capacities(
@@ -219,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             progress=bar,
             tier_blocks=args.tier_blocks,
             tier_admission=args.tier_admission,
+            costs=costs,
         )
     finally:
         bar.close()
@@ -249,6 +264,39 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _cost_spec(args: argparse.Namespace, block_size: int) -> CostSpec | None:
+    """The prefill-timing costs the flags give for blocks of ``block_size`` tokens
+    (``None``: no timing), checked together; called with 1 to check before a trace loads."""
+    from kvtier.replay.cluster import DEFAULT_BYTES_PER_TOKEN
+    from kvtier.replay.timing import CostSpec
+
+    tier_flags = args.tier_bandwidth is not None or args.tier_latency is not None
+    if args.prefill_rate is None:
+        if tier_flags or args.prefill_pair_cost is not None:
+            raise ConfigError(
+                "--tier-bandwidth, --tier-latency and --prefill-pair-cost time prefills, "
+                "which needs the model's speed too: add --prefill-rate TOKENS/S (measure it "
+                "with `kvtier serve` and /v1/cache/stats, or take it from a benchmark)"
+            )
+        return None
+    if tier_flags and not args.tier_blocks:
+        raise ConfigError(
+            "--tier-bandwidth and --tier-latency describe the lower tier: add --tier-blocks N"
+        )
+    if args.model == "block":
+        raise ConfigError("prefill timing (--prefill-rate) applies to the prefix model only")
+    bytes_per_token = args.bytes_per_token or DEFAULT_BYTES_PER_TOKEN
+    if bytes_per_token <= 0:
+        raise ConfigError(f"--bytes-per-token must be positive, got {bytes_per_token}")
+    return CostSpec(
+        prefill_tokens_s=args.prefill_rate,
+        pair_s=args.prefill_pair_cost or 0.0,
+        tier_bytes_s=args.tier_bandwidth if args.tier_bandwidth is not None else float("inf"),
+        tier_latency_s=args.tier_latency or 0.0,
+        block_bytes=bytes_per_token * block_size,
+    )
 
 
 def memory_capacities(
@@ -387,6 +435,32 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="which evicted blocks the lower tier writes: all (default), or those the "
         "learned-reuse policy predicts are worth their bytes",
     )
+    timing = replay.add_argument_group("prefill time (prefix model)")
+    timing.add_argument(
+        "--prefill-rate",
+        type=float,
+        metavar="TOK/S",
+        help="tokens a second the model computes in a prefill: times each request's prefill "
+        "under each load rule",
+    )
+    timing.add_argument(
+        "--prefill-pair-cost",
+        type=float,
+        metavar="S",
+        help="seconds per attention query-key pair, for long contexts (default 0)",
+    )
+    timing.add_argument(
+        "--tier-bandwidth",
+        type=arg(parse_rate, "rate"),
+        metavar="RATE",
+        help="the lower tier's load bandwidth, e.g. 3MB/s or 10GiB/s (default: free)",
+    )
+    timing.add_argument(
+        "--tier-latency",
+        type=arg(parse_seconds, "latency"),
+        metavar="T",
+        help="seconds each load call from the lower tier pays, e.g. 20ms (default 0)",
+    )
     replay.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     replay.add_argument(
         "--block-size",
@@ -440,6 +514,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--bytes-per-token",
         type=int,
         metavar="B",
-        help="KV bytes per token, for the bytes fetched (default 327680: a 70B GQA model, bf16)",
+        help="KV bytes per token, for the bytes fetched and the tier's load times "
+        "(default 327680: a 70B GQA model, bf16)",
     )
     replay.set_defaults(func=run)

@@ -16,6 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.replay.capacity import Capacity
 from kvtier.replay.progress import ProgressBar
 from kvtier.replay.simulator import Model, RunResult, access_sequence, simulate, simulate_min
+from kvtier.replay.timing import CostSpec
 from kvtier.replay.traces import Trace
 
 
@@ -48,6 +49,8 @@ class ReplayReport:
     #: The lower tier under the device (prefix model), in blocks; 0: none.
     tier_blocks: int = 0
     tier_admission: str = "write-all"
+    #: The costs prefills are timed with (``--prefill-rate``), else ``None``.
+    costs: CostSpec | None = None
 
     def gap_points(self, result: RunResult) -> float:
         """MIN's block hit ratio minus the policy's, in percentage points."""
@@ -81,6 +84,7 @@ def run_replay(
     progress: ProgressBar | None = None,
     tier_blocks: int = 0,
     tier_admission: str = "write-all",
+    costs: CostSpec | None = None,
 ) -> ReplayReport:
     """Replay ``trace`` for every policy at every capacity, plus MIN at each capacity."""
     if not policies:
@@ -89,6 +93,7 @@ def run_replay(
     report = ReplayReport(trace, model, window, points, list(policies))
     report.tier_blocks = tier_blocks
     report.tier_admission = tier_admission
+    report.costs = costs
     report.block_accesses = int(sum(access_sequence(trace, model)[1]))
     start = time.perf_counter()
     tick = progress.advance if progress is not None else None
@@ -106,6 +111,7 @@ def run_replay(
                 tick=tick,
                 tier_blocks=tier_blocks,
                 tier_admission=tier_admission,
+                costs=costs,
             )
             report.results.append(result)
             report.cells[(name, point.blocks)] = result
@@ -152,6 +158,8 @@ def _row(report: ReplayReport, r: RunResult, point: CapacityPoint) -> dict[str, 
             "block_bytes": t.block_bytes,
             "bytes_per_hit": t.bytes_per_hit if t.hit_blocks else None,
         }
+    if r.time is not None:
+        row["time"] = r.time.to_json()
     return row
 
 
@@ -190,6 +198,7 @@ def to_json(report: ReplayReport) -> dict[str, Any]:
             for p in report.capacities
         ],
         "results": results,
+        "costs": _costs_json(report.costs),
         "min": [_row(report, report.mins[p.blocks], p) for p in report.capacities],
         "load_seconds": round(report.load_seconds, 4),
         "elapsed_seconds": round(report.elapsed_seconds, 4),
@@ -266,6 +275,8 @@ def format_table(report: ReplayReport) -> str:
             )
     if report.tier_blocks:
         lines += ["", *_tier_lines(report)]
+    if report.costs is not None:
+        lines += ["", *_time_lines(report, report.costs)]
     lines.append(
         f"loaded in {report.load_seconds:.2f}s, replayed in {report.elapsed_seconds:.2f}s"
     )
@@ -289,5 +300,52 @@ def _tier_lines(report: ReplayReport) -> list[str]:
             f"{r.policy:<14} {r.capacity_blocks:>10} {100 * r.device_hit_ratio:>9.2f}% "
             f"{100 * r.tier_hit_ratio:>8.2f}% {t.written_blocks:>11} {t.hit_blocks:>10} "
             f"{per_hit:>14}"
+        )
+    return out
+
+
+def _costs_json(costs: CostSpec | None) -> dict[str, float | int | None] | None:
+    if costs is None:
+        return None
+    return {
+        "prefill_tokens_s": costs.prefill_tokens_s,
+        "pair_s": costs.pair_s,
+        "tier_bytes_s": costs.tier_bytes_s if costs.tier_bytes_s != float("inf") else None,
+        "tier_latency_s": costs.tier_latency_s,
+        "block_bytes": costs.block_bytes,
+    }
+
+
+def _time_lines(report: ReplayReport, costs: CostSpec) -> list[str]:
+    """Prefill seconds per rule: no cache, tier hits computed, loaded, and the plan."""
+    bw = costs.tier_bytes_s
+    tier = (
+        f"tier {_si(bw)}B/s + {1e3 * costs.tier_latency_s:g} ms a call, "
+        f"{_si(costs.block_bytes)}B a block; "
+        if report.tier_blocks and bw != float("inf")
+        else ("tier free to load; " if report.tier_blocks else "")
+    )
+    out = [
+        f"prefill time ({tier}model {costs.prefill_tokens_s:g} tokens/s"
+        + (f", {costs.pair_s:g} s per attention pair" if costs.pair_s else "")
+        + "), each admitted request alone:",
+        f"{'policy':<14} {'capacity':>10} {'no cache':>10} {'compute tier':>12} "
+        f"{'load tier':>10} {'plan':>10} {'plan/load':>9} {'plan/compute':>12} "
+        f"{'tier blocks loaded':>18}",
+    ]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.3f}x" if b > 0 else "-"
+
+    for r in report.results:
+        t = r.time
+        if t is None:
+            continue
+        loaded = f"{t.loaded_blocks}/{t.tier_blocks}" if t.tier_blocks else "-"
+        out.append(
+            f"{r.policy:<14} {r.capacity_blocks:>10} {t.uncached_s:>9.1f}s "
+            f"{t.recompute_s:>11.1f}s {t.load_all_s:>9.1f}s {t.plan_s:>9.1f}s "
+            f"{ratio(t.plan_s, t.load_all_s):>9} {ratio(t.plan_s, t.recompute_s):>12} "
+            f"{loaded:>18}"
         )
     return out

@@ -51,6 +51,7 @@ from kvtier.policy.base import PolicyBase, request_hook
 from kvtier.policy.registry import make_policy
 from kvtier.replay.belady import belady_min
 from kvtier.replay.tiers import ReplayTier, TierCounters
+from kvtier.replay.timing import CostSpec, PrefillClock
 from kvtier.replay.traces import Trace, TraceRequest
 
 Model = Literal["prefix", "block"]
@@ -83,6 +84,8 @@ class RunResult:
     extra: dict[str, float] = field(default_factory=dict)
     #: The lower tier's counters (prefix model with ``tier_blocks``), else ``None``.
     tier: TierCounters | None = None
+    #: Prefill seconds under each load rule (prefix model with ``costs``), else ``None``.
+    time: PrefillClock | None = None
 
     @property
     def block_hit_ratio(self) -> float:
@@ -336,12 +339,15 @@ def simulate_prefix(
     tier_blocks: int = 0,
     tier_admission: str = "write-all",
     tier_threshold: float | None = None,
+    costs: CostSpec | None = None,
 ) -> RunResult:
     """The prefix model: each request is allocated and freed on a real KVCacheManager.
 
     With ``tier_blocks`` a lower tier of that many blocks takes the device's
     evictions under ``tier_admission`` (see :mod:`kvtier.replay.tiers`), and
-    a request's hit continues on it after the device prefix.
+    a request's hit continues on it after the device prefix. With ``costs``
+    each admitted request's prefill is timed under each load rule
+    (:mod:`kvtier.replay.timing`).
     """
     check_capacity(capacity)
     if not isinstance(tier_blocks, int) or isinstance(tier_blocks, bool) or tier_blocks < 0:
@@ -358,8 +364,14 @@ def simulate_prefix(
     lower: ReplayTier | None = None
     if tier_blocks:
         lower = ReplayTier(
-            manager, tier_blocks, clock, admission=tier_admission, threshold=tier_threshold
+            manager,
+            tier_blocks,
+            clock,
+            admission=tier_admission,
+            threshold=tier_threshold,
+            block_bytes=costs.block_bytes if costs is not None and costs.block_bytes else None,
         )
+    timer = PrefillClock(costs) if costs is not None else None
     live: deque[int] = deque()
     since_tick = 0
 
@@ -403,6 +415,8 @@ def simulate_prefix(
             result.skipped_requests += 1
         else:
             cached = alloc.num_cached_tokens
+            if timer is not None:
+                timer.add(n, cached, from_tier, bs)
             if from_tier and lower is not None:
                 cached += from_tier * bs
                 lower.served(from_tier, bs)
@@ -441,6 +455,7 @@ def simulate_prefix(
     }
     if lower is not None:
         result.tier = lower.counters
+    result.time = timer
     return result
 
 
@@ -454,6 +469,7 @@ def simulate(
     tick: Tick | None = None,
     tier_blocks: int = 0,
     tier_admission: str = "write-all",
+    costs: CostSpec | None = None,
 ) -> RunResult:
     """Replay ``trace`` under one policy and capacity in the chosen model."""
     if model == "prefix":
@@ -465,11 +481,14 @@ def simulate(
             tick=tick,
             tier_blocks=tier_blocks,
             tier_admission=tier_admission,
+            costs=costs,
         )
     if model == "block":
         if window != 1:
             raise ConfigError("--window applies to the prefix model only")
         if tier_blocks:
             raise ConfigError("--tier-blocks applies to the prefix model only")
+        if costs is not None:
+            raise ConfigError("prefill timing (--prefill-rate) applies to the prefix model only")
         return simulate_block(trace, policy_name, capacity, tick=tick)
     raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")

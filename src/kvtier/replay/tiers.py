@@ -71,9 +71,10 @@ class ReplayTier:
         *,
         admission: str = "write-all",
         policy: str = "lru",
-        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        block_bytes: int | None = None,
         threshold: float | None = None,
     ) -> None:
+        block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigError(f"--tier-blocks must be a positive number, got {capacity!r}")
         if admission not in ADMISSIONS:
