@@ -15,7 +15,10 @@ SERVE_ARGS ?=
 # `make test-latest` (CONSTRAINTS empty) tries the newest releases instead.
 CONSTRAINTS ?= constraints.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS) --build-constraint $(CONSTRAINTS))
-PIP := $(BIN)/pip install $(PIP_C)
+# --no-compile: pip would byte-compile every module of every package (torch, vLLM and
+# SGLang alone hold thousands) at install, most of them never imported; Python compiles
+# and caches each module the first time it is imported instead.
+PIP := $(BIN)/pip install --no-compile $(PIP_C)
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 # The mypyc-compiled wheel `make venv` builds (tests/test_wheel.py installs it).
 COMPILED_WHEEL_DIR := dist/compiled

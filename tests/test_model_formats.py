@@ -196,6 +196,36 @@ def test_a_qwen2_gguf_file_serves_transformers_greedy_tokens(tmp_path: Path) -> 
     _assert_answers(_served_chat(["--model", str(path)]), tok, want)
 
 
+def test_loading_a_gguf_file_parses_it_once_and_loads_what_transformers_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = pytest.importorskip("gguf")
+    from kvtier.engine.model import load_model
+
+    path = tmp_path / "tiny-qwen2.gguf"
+    written = _write_qwen2_gguf(path)
+    parsed: list[str] = []
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class CountingReader(reader_class):  # type: ignore[misc,valid-type]
+        def __init__(self, file: Any, mode: Any = "r") -> None:
+            parsed.append(str(file))
+            super().__init__(file, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    loaded = load_model(path)
+    # The config, the tokenizer, the geometry probe and the weights: one parse for all.
+    assert parsed == [str(path)]
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is name_map
+    for name, tensor in written.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path, **kwargs)
+    assert len(parsed) > 1  # transformers alone parses it again, for the tokenizer
+    text = "<|im_start|>user\nabc<|im_end|>"
+    assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+
+
 def test_a_gguf_files_weights_are_sized_from_its_tensor_table(tmp_path: Path) -> None:
     path = tmp_path / "tiny-qwen2.gguf"
     model = _write_qwen2_gguf(path)

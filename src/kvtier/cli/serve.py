@@ -110,7 +110,7 @@ def _check_device(name: str) -> None:
 def preflight(config: Any) -> tuple[Any, list[str]]:
     """Check a configuration before any weights load; the tokenizer and warnings, or ConfigError.
 
-    Reads the model's metadata (milliseconds, even for a GGUF file), sizes the
+    Reads the model's metadata, sizes the
     KV cache and the context, checks that the weights and the KV cache fit the
     device's free memory, loads the tokenizer to fit the chat template in the
     cache, and checks every tier's size and medium.
@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from kvtier.engine import DEFAULT_MODEL_ID, Engine, EngineWorker
+        from kvtier.engine.gguf_meta import gguf_parsed_once
         from kvtier.server import create_app
     except ImportError as exc:
         raise ConfigError(
@@ -177,15 +178,17 @@ def run(args: argparse.Namespace) -> int:
         block_line = None
         if args.block_size is None:
             config, block_line = state_block_size(config)
-        tokenizer, warnings = preflight(config)
-        if block_line is not None:
-            print(f"kvtier: {block_line}", flush=True)
-        for warning in warnings:
-            log.warning("%s", warning)
-        what = args.model or f"{DEFAULT_MODEL_ID} (the bundled default)"
-        print(f"kvtier: loading {what} ({args.dtype}, {args.device}) ...", flush=True)
-        started = time.perf_counter()
-        engine = Engine.from_config(config, tokenizer=tokenizer)
+        # A GGUF file is parsed once for the checks and the load together.
+        with gguf_parsed_once():
+            tokenizer, warnings = preflight(config)
+            if block_line is not None:
+                print(f"kvtier: {block_line}", flush=True)
+            for warning in warnings:
+                log.warning("%s", warning)
+            what = args.model or f"{DEFAULT_MODEL_ID} (the bundled default)"
+            print(f"kvtier: loading {what} ({args.dtype}, {args.device}) ...", flush=True)
+            started = time.perf_counter()
+            engine = Engine.from_config(config, tokenizer=tokenizer)
         print(f"kvtier: loaded in {time.perf_counter() - started:.1f}s", flush=True)
         for line in engine.describe():
             print(f"kvtier: {line}", flush=True)

@@ -345,22 +345,25 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from kvtier.engine.gguf_meta import gguf_parsed_once
+
     torch_dtype = resolve_dtype(dtype)
-    probe_model(spec, model_id=model_id)  # refuses what cannot be served, before any weights
-    if tokenizer is None:
-        tokenizer = load_tokenizer(spec)
-    path, name = _locate(spec, model_id)
-    directory, kwargs = _from_pretrained_args(path)
-    log.info("loading %s from %s (%s, %s)", name, path, dtype, device)
-    if check_tokenizer is not None:
-        check_tokenizer(tokenizer)
-    vision = path.is_dir() and is_vision_language(path)
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    try:
-        model: Any = auto.from_pretrained(directory, dtype=torch_dtype, **kwargs)
-    except (OSError, ValueError) as exc:
-        what = "an image-text-to-text model" if vision else "a causal LM"
-        raise ConfigError(f"cannot load {what} from {path}: {exc}") from exc
+    with gguf_parsed_once():  # transformers would parse a GGUF file once per part
+        probe_model(spec, model_id=model_id)  # refuses what cannot be served, before any weights
+        if tokenizer is None:
+            tokenizer = load_tokenizer(spec)
+        path, name = _locate(spec, model_id)
+        directory, kwargs = _from_pretrained_args(path)
+        log.info("loading %s from %s (%s, %s)", name, path, dtype, device)
+        if check_tokenizer is not None:
+            check_tokenizer(tokenizer)
+        vision = path.is_dir() and is_vision_language(path)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        try:
+            model: Any = auto.from_pretrained(directory, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError) as exc:
+            what = "an image-text-to-text model" if vision else "a causal LM"
+            raise ConfigError(f"cannot load {what} from {path}: {exc}") from exc
     model = model.to(torch.device(device)).eval()
     sampling = dict(DEFAULT_MODEL_SAMPLING) if spec is None else generation_defaults(model)
     processor = load_image_processor(path) if vision else None
