@@ -54,6 +54,8 @@ SEED = 20261128
 QUIET_S = 0.6
 #: How long a step may take to converge before the index and the truth are compared.
 CONVERGE_S = 20.0
+#: The servers' tier recheck interval (--tier-recheck-interval): short, so a run sees it.
+RECHECK_S = 0.5
 
 #: Shared prefixes: conversations branch off them, so blocks are shared and evicted.
 PREFIXES = [
@@ -226,6 +228,8 @@ def test_the_event_index_converges_through_restarts_resets_and_outages(
         "--pressure", "off", "--admin-key", ADMIN,
         "--kv-events", f"tcp://*:{port}",
         "--tier", f"disk:{disk}?size=256KiB", "--tier", redis.url,
+        # The check that each tier still holds its blocks, also while the server idles.
+        "--tier-recheck-interval", str(RECHECK_S),
     ]  # fmt: skip
     events = EventIndex(f"tcp://127.0.0.1:{port}")
     server = ServeProcess(args)
@@ -235,6 +239,7 @@ def test_the_event_index_converges_through_restarts_resets_and_outages(
     rng.shuffle(steps)
     steps.insert(0, "chat")
     seen: dict[str, int] = {}
+    redis_before: set[int] = set()
     try:
         server.start()
         converge(events, server, "startup")
@@ -263,14 +268,22 @@ def test_the_event_index_converges_through_restarts_resets_and_outages(
                 server = ServeProcess(args)
                 server.start()
             elif step == "redis":
+                redis_before = truth(server).get("redis", set())
                 redis.stop(kill=True)
-                redis.start()
+                redis.start()  # empty: every block the server wrote there is gone
+                # No request follows: the recheck alone must drop them, from the server's
+                # bookkeeping and (the comparison below) from the events.
+                deadline = time.monotonic() + 10 * RECHECK_S + CONVERGE_S
+                while truth(server).get("redis") and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not truth(server).get("redis"), "the restarted Redis's lost blocks stayed"
             held = converge(events, server, f"step {n} ({step})")
             for medium, keys in held.items():
                 seen[medium] = max(seen.get(medium, 0), len(keys))
         # The run exercised what it claims: blocks on every medium, evictions, no lost batch.
         assert seen.get("device", 0) > 0 and seen.get("disk", 0) > 0, seen
         assert events.gaps == 0 and events.tracker.restarts >= 1
+        assert redis_before, "Redis held no block when it was restarted: nothing was checked"
         counters = events.index.instance(NAME).counters
         assert counters.removed_blocks > 0 and counters.clears >= 1
     finally:

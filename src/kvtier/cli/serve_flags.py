@@ -492,6 +492,15 @@ def _add_tiers(serve: argparse.ArgumentParser) -> None:
         "policy, the default)",
     )
     tiers.add_argument(
+        "--tier-recheck-interval",
+        type=arg(float_in("number of seconds", 0.0, 86400.0, open_low=True), "interval"),
+        default=30.0,
+        metavar="S",
+        help="seconds between checks that each tier still holds what kvtier tracks on it "
+        "(a Redis restarted empty loses blocks without an error; they leave the bookkeeping "
+        "and the KV events at the next check, also while the server idles); default 30",
+    )
+    tiers.add_argument(
         "--prefetch-lookahead",
         type=arg(non_negative_int, "step count"),
         default=0,

@@ -338,6 +338,9 @@ class EngineConfig:
     #: Which blocks the device evicts the first tier writes: ``write-all`` or
     #: ``predicted`` (by learned reuse; needs the ``learned-reuse`` device policy).
     tier_admission: str = "write-all"
+    #: Seconds between checks that each tier's medium still holds the blocks tracked on it
+    #: (a restarted Redis loses them without an error); also while the server idles.
+    tier_recheck_interval_s: float = 30.0
     pressure: PressureSpec | None = None
     #: ``temperature`` / ``top_p`` for requests that leave them out (``None``: the model's).
     sampling_defaults: Mapping[str, float] | None = None
@@ -354,6 +357,11 @@ class EngineConfig:
         from kvtier.offload.tier import WRITE_MODES
 
         resolve_dtype(self.dtype)
+        interval = self.tier_recheck_interval_s
+        if not isinstance(interval, int | float) or not 0 < interval < float("inf"):
+            raise ConfigError(
+                f"tier_recheck_interval_s must be a positive number of seconds, got {interval!r}"
+            )
         if self.tier_admission not in ADMISSIONS:
             raise ConfigError(
                 f"tier_admission must be one of {', '.join(ADMISSIONS)}, "

@@ -232,6 +232,7 @@ class Engine:
                 built,
                 write_mode=write_mode,
                 tier_admission=config.tier_admission,
+                reconcile_interval_s=config.tier_recheck_interval_s,
             )
             if built
             else None

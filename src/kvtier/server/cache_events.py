@@ -77,10 +77,17 @@ def tier_keys(engine: Engine) -> dict[str, list[int]]:
 
 
 def publish_pending(engine: Engine) -> None:
-    """Publish the device's and the tiers' events not yet sent (engine thread)."""
+    """Publish the device's and the tiers' events not yet sent (engine thread).
+
+    The tiers are polled first, as a step would: stores that finished meanwhile
+    are published, and the periodic check of what each tier's medium still holds
+    runs while the server idles too, so blocks a restarted Redis lost leave the
+    events within ``--tier-recheck-interval``, not at the next request.
+    """
     sink = engine.events
     if sink is None:
         return
+    engine.poll_background()
     sink.drain_device(engine.manager)
     if engine.tier_chain is not None:
         sink.drain(engine.tier_chain)
