@@ -180,3 +180,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def redis() -> Generator[Any, None, None]:
+    """A fresh redis-server on loopback for one test (see :func:`needs.need_redis_server`)."""
+    from needs import need_redis_server
+    from redis_servers import RedisServer
+
+    need_redis_server()
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

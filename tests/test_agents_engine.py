@@ -17,8 +17,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from needs import need_redis_server
-from redis_servers import RedisServer
 from tiny_model import solo_greedy, tiny_model_and_tokenizer
 
 from kvtier import BadRequestError, ConfigError
@@ -166,16 +164,6 @@ def test_prefetch_needs_a_tier(model_tok: tuple[Any, Any]) -> None:
     eng = Engine(model, tok, model_id="tiny", block_size=4, num_blocks=30)
     with pytest.raises(ConfigError, match="tier"):
         eng.agents.enable_prefetch()
-
-
-@pytest.fixture
-def redis() -> Any:
-    need_redis_server()
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_prefetch_from_redis_lets_ready_requests_go_first(

@@ -42,7 +42,12 @@ class AgentSupport:
             # requests always share one clock (a caller may replace the manager's).
             manager = engine.manager
             self.policy.clock = lambda: manager.clock()
+        if self.policy is not None and getattr(engine, "tier_chain", None) is not None:
+            # An ended session's own blocks are freed on the tiers too (release_ended).
+            self.policy.collect_released = True
         self.prefetcher: Prefetcher | None = None
+        #: Released keys a tier was still loading: freed at a later release_ended.
+        self._release_later: list[int] = []
         self._last: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
 
     # -- workflows ------------------------------------------------------------------
@@ -106,6 +111,25 @@ class AgentSupport:
         return spec.prefix_tokens[: n * self.engine.manager.block_size], spec.prefix_keys
 
     # -- prefetch ----------------------------------------------------------------------
+    # -- sessions -------------------------------------------------------------------
+    def end_session(self, session_id: str) -> bool:
+        """End ``session_id`` (as ``session_end`` does): its pins go, its own blocks are
+        evicted first on the device and freed on every tier. False if it is unknown."""
+        if self.policy is None:
+            return False
+        ended = self.policy.end_session(session_id)
+        self.release_ended()
+        return ended
+
+    def release_ended(self) -> None:
+        """Free the own blocks of sessions ended since the last call on every tier (a
+        shared medium's copy too); a block a load is reading goes at a later call."""
+        chain = self.engine.tier_chain
+        if self.policy is None or chain is None:
+            return
+        keys = self._release_later + self.policy.take_released()
+        self._release_later = chain.release(keys) if keys else []
+
     def enable_prefetch(self, lookahead: int = 2, max_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
         """Prefetch blocks of agents due within ``lookahead`` steps (needs tiers)."""
         if self.engine.tier_chain is None:

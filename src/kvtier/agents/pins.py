@@ -165,6 +165,9 @@ class TtlPins:
     #: the key's protection are stale and skipped.
     _latest: LatestPins
     _protected_used: int
+    #: Ended sessions' own keys, for the tiers to free (when ``collect_released``).
+    _released: list[int]
+    collect_released: bool
     _now: float
     pin_fraction: float
     capacity: int
@@ -396,5 +399,7 @@ class TtlPins:
             tag = tags.get(key)
             if tag is not None and not tag.shared:
                 tag.reuse = "never"
+                if self.collect_released:
+                    self._released.append(key)
             if key in resident:
                 self._move(key)

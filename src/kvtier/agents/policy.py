@@ -148,6 +148,10 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         self.hinted_requests = 0
         self.bypassed = 0
         self.sessions = SessionBook()
+        #: Whether ended sessions' own keys are kept for :meth:`take_released` (set by an
+        #: owner that frees them below the device: the engine with tiers).
+        self.collect_released = False
+        self._released: list[int] = []
         self.tracker.subscribe(self._on_workflow)
 
     def _new_fallback(self) -> EvictionPolicy:
@@ -266,6 +270,12 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
             return False
         self._end(rec)
         return True
+
+    def take_released(self) -> list[int]:
+        """The keys of ended sessions' own blocks (not shared with anything else) since the
+        last call, for the levels below to free (with :attr:`collect_released` on)."""
+        out, self._released = self._released, []
+        return out
 
     def session_stats(self) -> dict[str, int]:
         """Sessions now: tracked, live (pinned until later than now), expired, ended; blocks."""

@@ -627,6 +627,8 @@ class Engine:
             self.scheduler.update(result, outs)
         else:
             self.scheduler.idle(outs)
+        # Sessions a request ended (session_end) free their own blocks below the device.
+        self.agents.release_ended()
         if self.events is not None:
             self._publish_events()
         return outs

@@ -566,6 +566,27 @@ class TierChain:
         while due:
             self._reconcile(due.pop(), self.reconcile_batch)
 
+    def release(self, keys: Sequence[int]) -> list[int]:
+        """Free ``keys`` on every tier, from its bookkeeping and its medium (a shared
+        medium's copy too): blocks nothing will read again, such as an ended session's
+        own. Returns the keys a tier still holds because a load is reading them: release
+        those again once it is done."""
+        busy: dict[int, None] = {}
+        if not keys:
+            return []
+        with self._lock:
+            for tier in self.tiers:
+                mgr = tier.offload_manager
+                held = [k for k in keys if mgr.is_ready(k)]
+                free = [k for k in held if not mgr.is_pinned(k)]
+                busy.update(dict.fromkeys(k for k in held if mgr.is_pinned(k)))
+                if free:
+                    # Purged, not only deleted: a shared medium keeps evicted blocks for
+                    # other engines, but a released block is nobody's.
+                    tier.drop(free, bad=True)
+                    tier.counters.released_blocks += len(free)
+        return list(busy)
+
     def reconcile(self, limit: int | None = None) -> int:
         """Drop keys the tiers track but their media no longer hold; returns how many.
 

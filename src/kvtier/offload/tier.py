@@ -42,6 +42,8 @@ class TierCounters:
     adopted_blocks: int = 0
     #: Keys the bookkeeping held that reconciliation found missing from the medium.
     reconciled_blocks: int = 0
+    #: Blocks freed because nothing will read them again (an ended session's own).
+    released_blocks: int = 0
     #: Seconds spent encoding blocks for this tier, and decoding them back (int8/fp8
     #: codecs; raw payloads are copies and count in neither).
     encode_seconds: float = 0.0

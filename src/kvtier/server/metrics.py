@@ -493,6 +493,11 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[Metric]:
         "Bytes a tier's blocks would take more at the device pool's block size.",
         "tier",
     )
+    released = _labelled_counter(
+        "kvtier_tier_released_blocks_total",
+        "Blocks freed on a tier because nothing will read them again (ended sessions' own).",
+        "tier",
+    )
     compressed = _labelled_counter(
         "kvtier_tier_compressed_requests_total",
         "Requests whose cached blocks were moved to a tier by compress_request.",
@@ -504,6 +509,7 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[Metric]:
         _add(ratio, d["compression_ratio"], tier=name)
         _add(saved, d["bytes_saved"], tier=name)
         _add(compressed, d["compressed_requests"], tier=name)
+        _add(released, d["released_blocks"], tier=name)
         _add(used, d["used_blocks"], tier=name)
         _add(cap, d["capacity_blocks"], tier=name)
         _add(loaded, d["loaded_blocks"], tier=name)
@@ -514,7 +520,8 @@ def tier_families(tiers: dict[str, dict[str, float]]) -> list[Metric]:
         for kind, field_name in _TIER_ERRORS.items():
             _add(errors, d[field_name], tier=name, kind=kind)
     return [
-        used, cap, loaded, stored, nbytes, evicted, errors, codec_time, ratio, saved, compressed
+        used, cap, loaded, stored, nbytes, evicted, errors, codec_time, ratio, saved,
+        compressed, released,
     ]
 
 

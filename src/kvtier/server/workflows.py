@@ -13,8 +13,10 @@
   whose ``kvtier`` hints carry ``workflow_id``/``agent_id`` report it too);
 * ``DELETE /v1/workflows/{id}``: forget it;
 * ``DELETE /v1/sessions/{session_id}``: end a session (as a request hinted
-  ``session_end: true`` does): its TTL pins are released and its own blocks
-  are evicted first. 404 when the device policy knows no such session.
+  ``session_end: true`` does): its TTL pins are released, its own blocks
+  (those no other session or agent shares) are evicted first on the device
+  and freed on every tier, a shared Redis's copies included. 404 when the
+  device policy knows no such session.
 
 Bad bodies are 400 with OpenAI's error body; an unknown workflow is 404.
 Everything runs on the engine thread (:meth:`EngineWorker.call`), between steps.
@@ -216,8 +218,7 @@ def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
         sid = scoped_id(tenant_of(request.scope), session_id)
 
         def run(engine: Engine) -> bool:
-            policy = workflow_policy_of(engine.manager.policy)
-            return policy is not None and policy.end_session(sid)
+            return engine.agents.end_session(sid)
 
         if not await on_engine(run):
             return JSONResponse(
