@@ -51,13 +51,15 @@ SGLANG_NODEPS := triton==3.8.0 compressed-tensors==0.20.0
 
 # llama-cpp-python for the prompt-cache tests has no Linux wheel on PyPI, so pip
 # compiles llama.cpp: for any x86-64 CPU with AVX2, without llama.cpp's own
-# programs and without the multimodal library (the tests serve text), which
-# takes about 6 minutes on 2 cores.
+# programs, its multimodal library (the tests serve text) and its `common` library
+# (which llama-cpp-python forces on but never loads; cmake/llama-cpp-library-only.cmake
+# turns it off again): about 7 CPU-minutes instead of 15.
 LLAMA_WHEEL_DIR := dist/llama-cpp
 LLAMA_CPP_CMAKE := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_LLGUIDANCE=OFF \
+  -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/cmake/llama-cpp-library-only.cmake
 
-$(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS)
+$(VENV)/.deps: $(VENV)/.torch pyproject.toml setup.py $(COMPILED) $(CONSTRAINTS) cmake/llama-cpp-library-only.cmake
 	@# Build back-ends installed too, so `make lock` records the versions the builds used.
 	$(PIP) wheel scikit-build-core
 	@# llama.cpp compiles for minutes: its wheel builds in the background while the rest
