@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         balance_threshold=args.balance_threshold,
         health_interval_s=args.health_interval,
+        admin_key=args.admin_key or os.environ.get("KVTIER_ADMIN_KEY") or None,
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="kvtier route: %(levelname)s: %(message)s"
@@ -166,6 +167,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         default=2.0,
         metavar="SECONDS",
         help="how often a down instance's /health is asked, to route to it again (default 2)",
+    )
+    route.add_argument(
+        "--admin-key",
+        metavar="KEY",
+        help="the instances' --admin-key (default: KVTIER_ADMIN_KEY): when an instance's KV "
+        "event batches are lost, the router reads what it holds (GET /admin/cache/blocks) "
+        "and drops what is gone from its index; without a key a loss is only counted",
     )
     route.add_argument(
         "--log-level",

@@ -23,13 +23,17 @@ they carry no tokens, so :meth:`PrefixIndex.match` does not count them, but
 they say what the instance can load back. ``AllCleared`` empties every
 medium: a publisher that clears the device only tells the tiers again
 (``kvtier serve`` does, :mod:`kvtier.server.cache_events`).
+
+After lost event batches, :meth:`InstanceIndex.retain` applies a view of what
+the instance holds (its ``GET /admin/cache/blocks``): what the view lacks
+leaves the index, so the index again under-reports at worst.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.events import AllCleared, BlocksRemoved, BlocksStored, KvEvent
@@ -72,6 +76,10 @@ class IndexCounters:
     skipped_events: int = 0
     #: Events on another medium than the device (tiers): kept as keys, not matched.
     other_medium: int = 0
+    #: Views of what the instance holds applied after lost event batches (:meth:`retain`),
+    #: and the blocks they showed were gone.
+    resyncs: int = 0
+    resync_removed: int = 0
 
 
 @dataclass
@@ -156,6 +164,26 @@ class InstanceIndex:
         self.counts.clear()
         self.tiers.clear()
         self.counters.clears += 1
+
+    def retain(self, held: Mapping[str, Iterable[int]]) -> int:
+        """Bring the index in line with a view of what the instance holds, per medium (its
+        ``GET /admin/cache/blocks``), after event batches were lost: device keys the view
+        lacks are dropped (a key it has that the index lacks cannot be named without its
+        tokens, and stays unknown until stored again), and each tier medium becomes the
+        view's. A medium the view leaves out (one it could not list whole) is left as the
+        events built it. Returns how many device blocks were dropped."""
+        gone: list[int] = []
+        if DEVICE in held:
+            device = set(held[DEVICE])
+            gone = [k for k in self.keys if k not in device]
+            for key in gone:
+                self._forget(self.keys.pop(key))
+        for medium, keys in held.items():
+            if medium != DEVICE:
+                self.tiers[medium] = set(keys)
+        self.counters.resyncs += 1
+        self.counters.resync_removed += len(gone)
+        return len(gone)
 
     def held(self, medium: str = DEVICE) -> set[int]:
         """The keys indexed on ``medium`` (a copy)."""

@@ -18,7 +18,13 @@ An instance that refuses the connection is marked down, its index cleared,
 and the request goes to the next choice; a background check of its
 ``/health`` brings it back. ``/stats`` reports the routing decisions (hits, blocks hit,
 fallbacks), each instance's load and its event stream (batches, lost
-batches, restarts). ``/v1/models`` and ``/health`` answer from the instances.
+batches, restarts, resyncs). ``/v1/models`` and ``/health`` answer from the instances.
+
+When an instance's event batches are lost (a gap in its sequence numbers)
+and the router was given the instances' admin key, it reads what the instance
+holds (``GET /admin/cache/blocks``) and drops from the index what is gone
+(:meth:`~kvtier.routing.index.InstanceIndex.retain`); without the key it
+only counts the loss.
 
 The routing is a guess that cannot make an answer wrong: a request whose
 prompt does not tokenize here (an odd message, tools, images) is routed as
@@ -35,7 +41,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +64,9 @@ from kvtier.routing.events import (
 from kvtier.routing.index import PrefixIndex
 
 log = logging.getLogger(__name__)
+#: Block hashes read per medium from an instance when resyncing (a medium with more is
+#: left as the events built it).
+RESYNC_LIMIT = 1 << 20
 
 #: Request headers not forwarded (hop-by-hop, or set again by the client).
 _DROP_HEADERS = frozenset(
@@ -152,6 +161,7 @@ class Instance:
     failures: int = 0
     tracker: SequenceTracker = field(default_factory=SequenceTracker)
     bad_messages: int = 0
+    resync_failures: int = 0
 
 
 @dataclass
@@ -285,6 +295,9 @@ class Router:
                     "removed_blocks": c.removed_blocks,
                     "orphan_blocks": c.orphan_blocks,
                     "skipped_events": c.skipped_events,
+                    "resyncs": c.resyncs,
+                    "resync_removed_blocks": c.resync_removed,
+                    "resync_failures": inst.resync_failures,
                 }
             )
         return out
@@ -305,18 +318,48 @@ async def _joined(sock: zmq.asyncio.Socket, monitor: Any, timeout_s: float) -> b
         monitor.close(linger=0)
 
 
+async def resync(
+    router: Router, instance: Instance, client: httpx.AsyncClient, admin_key: str
+) -> bool:
+    """Apply ``instance``'s view of what it holds to its index; False if none came."""
+    held: dict[str, list[int]] | None = None
+    try:
+        resp = await client.get(
+            f"{instance.url}/admin/cache/blocks",
+            params={"limit": RESYNC_LIMIT},
+            headers={"Authorization": f"Bearer {admin_key}"},
+        )
+        if resp.status_code == 200:
+            held = {
+                medium: [int(h, 16) for h in view["blocks"]]
+                for medium, view in resp.json()["media"].items()
+                if not view["truncated"]  # a partial list would drop what it left out
+            }
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        held = None
+    if held is None:
+        instance.resync_failures += 1
+        log.warning("could not read what %s holds after lost KV events", instance.name)
+        return False
+    gone = router.index.instance(instance.name).retain(held)
+    log.warning("resynced %s after lost KV events: %d blocks were gone", instance.name, gone)
+    return True
+
+
 async def follow_events(
     router: Router,
     instance: Instance,
     ctx: zmq.asyncio.Context,
     ready: asyncio.Event,
     join_timeout_s: float = 10.0,
+    on_gap: Callable[[Instance], Coroutine[Any, Any, object]] | None = None,
 ) -> None:
     """Read one instance's KV events into the index until cancelled.
 
     ``ready`` is set once the instance's publisher is connected (or after
     ``join_timeout_s``): a PUB socket drops what it sends before it has heard
     the subscription, so a request served before then would be forgotten.
+    ``on_gap`` is run (as a task) after a batch that follows lost ones is applied.
     """
     endpoint, bind = subscriber_endpoint(instance.events, instance.url)
     sock = ctx.socket(zmq.SUB)
@@ -350,6 +393,7 @@ async def follow_events(
                 instance.events,
             )
         ready.set()
+        gaps: set[asyncio.Task[object]] = set()
         while True:
             frames = await sock.recv_multipart()
             try:
@@ -364,6 +408,10 @@ async def follow_events(
             elif what == "gap":
                 log.warning("lost KV event batches from %s: its index may be stale", instance.name)
             router.index.apply(instance.name, events)
+            if what == "gap" and on_gap is not None:
+                # A task: events keep flowing while the view is read.
+                gaps.add(asyncio.create_task(on_gap(instance)))
+                gaps.difference_update({t for t in gaps if t.done()})
     finally:
         ready.set()
         sock.close(linger=0)
@@ -417,8 +465,13 @@ def create_app(
     balance_threshold: int = 4,
     health_interval_s: float = 2.0,
     timeout_s: float = 600.0,
+    admin_key: str | None = None,
 ) -> Starlette:
-    """The proxy (see the module docstring); ``app.state.router`` is its :class:`Router`."""
+    """The proxy (see the module docstring); ``app.state.router`` is its :class:`Router`.
+
+    ``admin_key``: the instances' ``--admin-key``, to read what an instance holds after
+    its event batches were lost (without it, a loss is only counted).
+    """
     router = Router(instances, balance_threshold=balance_threshold)
     for inst in instances:  # refuse a bad endpoint before anything starts
         subscriber_endpoint(inst.events, inst.url)
@@ -433,10 +486,19 @@ def create_app(
         state["client"] = client
         tasks: list[asyncio.Task[None]] = []
         readies: list[asyncio.Event] = []
+        on_gap = None
+        if admin_key is not None:
+            key = admin_key
+
+            async def on_gap(inst: Instance) -> bool:
+                return await resync(router, inst, client, key)
+
         for inst in router.instances:
             ready = asyncio.Event()
             readies.append(ready)
-            tasks.append(asyncio.create_task(follow_events(router, inst, ctx, ready)))
+            tasks.append(
+                asyncio.create_task(follow_events(router, inst, ctx, ready, on_gap=on_gap))
+            )
         await asyncio.gather(*(r.wait() for r in readies))
         for task in tasks:
             if task.done() and task.exception() is not None:
