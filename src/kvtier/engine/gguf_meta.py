@@ -174,6 +174,9 @@ def gguf_parsed_once() -> Iterator[None]:
         yield
         return
     reader_class = gguf.GGUFReader
+    if getattr(reader_class, "_kvtier_shared", False):
+        yield  # inside another such block (serve's checks around a load): already shared
+        return
     name_map = gguf.get_tensor_name_map
     readers: dict[tuple[str, int, int], Any] = {}
 
@@ -187,6 +190,7 @@ def gguf_parsed_once() -> Iterator[None]:
             parsed = readers[key] = reader_class(path, mode)
         return parsed
 
+    reader._kvtier_shared = True  # type: ignore[attr-defined]
     # transformers imports both from the package at each call, so the package is patched.
     setattr(gguf, "GGUFReader", reader)  # noqa: B010
     setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))  # noqa: B010
