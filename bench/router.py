@@ -64,7 +64,7 @@ from _common import (
 )
 
 DEFAULT_JSON = REPO / "bench" / "results" / "router.json"
-_INSTANCE = re.compile(r"^kvtier:   instance \d+: (?P<url>\S+)/v1 ")
+_INSTANCE = re.compile(r"^kvtier:   instance \d+: (?P<url>\S+)/v1 \(pid (?P<pid>\d+)\)")
 _SERVING = re.compile(r"^kvtier: cluster serving (?P<name>.+) at (?P<url>\S+)/v1 ")
 
 
@@ -139,6 +139,7 @@ class Cluster:
     url: str
     model: str
     instances: list[str]
+    pids: list[int]
     log_path: Path
 
 
@@ -149,6 +150,7 @@ def start_cluster(
     argv = [sys.executable, "-m", "kvtier.cli", "cluster"]
     argv += ["--instances", str(args.instances), "--router", router, "--routing", routing]
     argv += ["--port", str(_free_port()), "--instance-port", "0"]
+    argv += ["--on-instance-exit", args.on_instance_exit]
     if args.model:
         argv += ["--model", args.model]
     if shared:
@@ -165,8 +167,15 @@ def start_cluster(
         lines = log_path.read_text(errors="replace").splitlines()
         serving = [m for m in map(_SERVING.match, lines) if m]
         if serving:
-            instances = [m["url"] for m in map(_INSTANCE.match, lines) if m]
-            return Cluster(proc, serving[0]["url"], serving[0]["name"], instances, log_path)
+            found = [m for m in map(_INSTANCE.match, lines) if m]
+            return Cluster(
+                proc,
+                serving[0]["url"],
+                serving[0]["name"],
+                [m["url"] for m in found],
+                [int(m["pid"]) for m in found],
+                log_path,
+            )
         if proc.poll() is not None:
             raise SystemExit(f"kvtier cluster exited:\n{log_path.read_text()}")
         time.sleep(0.5)
@@ -228,6 +237,13 @@ class Replay:
     results: list[Result] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    #: With --kill-after: the requests in flight when the instance was killed, and how
+    #: many of the failures were among them (the others started after the kill).
+    killed_at_s: float | None = None
+    in_flight_at_kill: int = 0
+    errors_in_flight: int = 0
+    #: Seconds from the kill to the cluster's "serving again" line (restart), if seen.
+    back_after_s: float | None = None
 
 
 def session_id(conversation: int) -> str:
@@ -243,16 +259,45 @@ async def replay(cluster: Cluster, turns: Sequence[Turn], args: argparse.Namespa
     )
     out = Replay()
     sem = asyncio.Semaphore(args.concurrency)
+    in_flight: set[tuple[int, int]] = set()
+    caught: set[tuple[int, int]] = set()  # in flight at the kill
+    completed = 0
+    started = time.perf_counter()
+    watchers: list[asyncio.Future[None]] = []
+
+    async def back_up(url: str) -> None:
+        """Time until the killed instance answers again (the cluster restarts it)."""
+        while not await asyncio.to_thread(_healthy, url):
+            await asyncio.sleep(0.25)
+        assert out.killed_at_s is not None
+        out.back_after_s = time.perf_counter() - started - out.killed_at_s
+
+    def maybe_kill() -> None:
+        if args.kill_after is None or out.killed_at_s is not None:
+            return
+        if completed < args.kill_after:
+            return
+        victim = cluster.pids[args.kill_instance - 1]
+        os.kill(victim, signal.SIGKILL)
+        out.killed_at_s = time.perf_counter() - started
+        caught.update(in_flight)
+        out.in_flight_at_kill = len(in_flight)
+        watchers.append(asyncio.ensure_future(back_up(cluster.instances[args.kill_instance - 1])))
+        log(f"  killed instance {args.kill_instance} (pid {victim}) after {completed} requests, "
+            f"{len(in_flight)} in flight")  # fmt: skip
+
     done: dict[tuple[int, int], asyncio.Event] = {
         (t.conversation, t.index): asyncio.Event() for t in turns
     }
 
     async def one(turn: Turn) -> None:
+        nonlocal completed
         previous = done.get((turn.conversation, turn.index - 1))
         try:
             if previous is not None:
                 await previous.wait()
             async with sem:
+                in_flight.add((turn.conversation, turn.index))
                 start = time.perf_counter()
                 first: float | None = None
                 usage: Any = None
@@ -293,14 +338,27 @@ async def replay(cluster: Cluster, turns: Sequence[Turn], args: argparse.Namespa
                 )
         except Exception as exc:  # counted and reported; the replay goes on
             out.errors.append(f"{type(exc).__name__}: {exc}")
+            out.errors_in_flight += (turn.conversation, turn.index) in caught
         finally:
+            in_flight.discard((turn.conversation, turn.index))
+            completed += 1
+            maybe_kill()
             done[(turn.conversation, turn.index)].set()
 
-    started = time.perf_counter()
     await asyncio.gather(*(one(t) for t in turns))
+    for watcher in watchers:
+        watcher.cancel()
     out.wall_s = time.perf_counter() - started
     await client.close()
     return out
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return 200 <= int(r.status) < 300
+    except OSError:
+        return False
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -327,7 +385,11 @@ def summarize(
     ttft = [r.ttft_s for r in res]
 
     def delta(key: str) -> list[int]:
-        return [int(a[key]) - int(b[key]) for a, b in zip(after, before, strict=True)]
+        # A killed and restarted instance counts from zero again: its figure is since then.
+        return [
+            int(a[key]) - (0 if int(a[key]) < int(b[key]) else int(b[key]))
+            for a, b in zip(after, before, strict=True)
+        ]
 
     return {
         "router": router,
@@ -345,6 +407,15 @@ def summarize(
         "output_tokens_per_s": completion / run.wall_s if run.wall_s else 0.0,
         "prompt_tokens_per_s": prompt / run.wall_s if run.wall_s else 0.0,
         "wall_s": run.wall_s,
+        "killed": None
+        if run.killed_at_s is None
+        else {
+            "at_s": run.killed_at_s,
+            "in_flight": run.in_flight_at_kill,
+            "errors_in_flight": run.errors_in_flight,
+            "errors_after": len(run.errors) - run.errors_in_flight,
+            "serving_again_after_s": run.back_after_s,
+        },
         "per_instance": {
             "requests": delta("requests_added"),
             "device_cached_tokens": [
@@ -357,6 +428,17 @@ def summarize(
             "computed_tokens": delta("computed_prompt_tokens"),
         },
     }
+
+
+def killed_cell(killed: dict[str, Any] | None) -> str:
+    if not killed:
+        return "-"
+    back = killed["serving_again_after_s"]
+    return (
+        f"at {killed['at_s']:.0f} s: {killed['errors_in_flight']} of {killed['in_flight']} "
+        f"in flight failed, {killed['errors_after']} after"
+        + (f"; back in {back:.0f} s" if back is not None else "")
+    )
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -410,6 +492,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="send no session_params.session_id (vllm-router's cache_aware then sees every "
         "chat request as the same empty text)",
     )
+    p.add_argument(
+        "--kill-after",
+        type=int,
+        metavar="N",
+        help="SIGKILL one instance once N requests have finished, mid-run; the row then "
+        "says how many requests were in flight, how many failed among them and after",
+    )
+    p.add_argument(
+        "--kill-instance", type=int, default=0, metavar="K",
+        help="with --kill-after: which instance, 1-based (default: the last)",
+    )  # fmt: skip
+    p.add_argument(
+        "--on-instance-exit",
+        choices=("restart", "continue", "stop"),
+        default="restart",
+        help="kvtier cluster's --on-instance-exit (default restart)",
+    )
     p.add_argument("--json-out", type=Path, default=DEFAULT_JSON)
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return p.parse_args(argv)
@@ -417,6 +516,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.kill_after is not None:
+        args.kill_instance = args.kill_instance or args.instances
+        if not 1 <= args.kill_instance <= args.instances:
+            raise SystemExit(f"--kill-instance must be 1..{args.instances}")
     words = vocabulary_words(args.model)
     turns = load_conversations(
         args.trace, args.conversations, args.max_turns, args.scale, args.max_prompt_tokens, words
@@ -454,8 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(row)
     headers = [
         "router", "routing", "shared tier", "requests", "hit ratio", "TTFT p50 ms", "TTFT p99 ms",
-        "output tok/s", "prompt tok/s", "requests per instance",
+        "requests/s", "output tok/s", "prompt tok/s", "requests per instance",
     ]  # fmt: skip
+    if any(r["killed"] for r in rows):
+        headers.append("instance killed")
     table = [
         [
             r["router"],
@@ -465,9 +570,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['hit_ratio']:.1%}",
             f"{r['ttft_p50_ms']:.0f}",
             f"{r['ttft_p99_ms']:.0f}",
+            f"{r['requests'] / r['wall_s']:.2f}" if r["wall_s"] else "-",
             f"{r['output_tokens_per_s']:.1f}",
             f"{r['prompt_tokens_per_s']:.0f}",
             "/".join(str(n) for n in r["per_instance"]["requests"]),
+            *([killed_cell(r["killed"])] if any(r["killed"] for r in rows) else []),
         ]
         for r in rows
     ]
@@ -489,7 +596,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
     )
     log(f"wrote {args.json_out}")
-    return 0 if all(not r["errors"] for r in rows) else 1
+    # A killed instance's in-flight requests may fail; any other failure is the bench's.
+    return (
+        0 if all(r["errors"] == (r["killed"] or {}).get("errors_in_flight", 0) for r in rows) else 1
+    )
 
 
 if __name__ == "__main__":

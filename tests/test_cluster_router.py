@@ -184,6 +184,29 @@ def test_cache_aware_routing_sends_a_repeated_prompt_to_the_same_instance(
     assert loaded == 0
 
 
+def test_a_killed_instance_is_restarted_and_no_request_fails(cache_aware: Cluster) -> None:
+    client = cache_aware.client()
+    os.kill(cache_aware.pids[1], signal.SIGKILL)
+    # Sent at once, before the router's health checks could notice: the cluster takes
+    # the instance out of the router itself, and every request is served by the other.
+    replies = [_chat(client, cache_aware.model, f"Question {i}: {LONG_PROMPT}") for i in range(6)]
+    assert all(r.usage.completion_tokens > 0 for r in replies)
+    back = re.compile(r"^kvtier: serve 2 serving again \(pid (\d+)\)", re.M)
+    deadline = time.monotonic() + 120
+    while (found := back.search(cache_aware.log.read_text(errors="replace"))) is None:
+        assert cache_aware.proc.poll() is None, cache_aware.log.read_text()
+        assert time.monotonic() < deadline, "the killed instance was not started again"
+        time.sleep(0.2)
+    cache_aware.pids[1] = int(found[1])
+    assert "serve 2 exited with status -9" in cache_aware.log.read_text()
+    # Back on its own URL, and in the router's rotation again, healthy.
+    with urllib.request.urlopen(f"{cache_aware.url}/workers", timeout=10) as r:
+        workers = {w["url"]: w["is_healthy"] for w in json.loads(r.read())["workers"]}
+    assert workers == {u.rstrip("/"): True for u in cache_aware.instances}
+    direct = openai.OpenAI(base_url=f"{cache_aware.instances[1]}/v1", api_key="u", max_retries=0)
+    assert _chat(direct, cache_aware.model, "Are you back?").usage.completion_tokens > 0
+
+
 def test_ctrl_c_stops_the_router_the_instances_and_redis(cache_aware: Cluster) -> None:
     assert all(_alive(pid) for pid in cache_aware.pids)
     assert _stop(cache_aware) == 0

@@ -8,8 +8,11 @@ from PyPI in front of them: vLLM's ``vllm-router`` (the default) or SGLang's
 ``sglang-router``, both Rust load balancers with round-robin and cache-aware
 (approximate prefix tree) routing. It prints the router's URL, relays every
 child's output prefixed with its name, and on Ctrl-C (or SIGTERM) stops the
-router, then the instances, then Redis. If any child dies, the others are
-stopped and the command exits with status 1. With vllm-router's ``kv_aware``
+router, then the instances, then Redis. An instance that exits is started again
+on its own port (``--on-instance-exit``; the router's health checks take it out
+of rotation meanwhile and back once it answers), or left out while the others
+go on serving; if the router or Redis dies, or no instance is left, the rest
+are stopped and the command exits with status 1. With vllm-router's ``kv_aware``
 policy each instance publishes its KV events on a free port (``--kv-events
 tcp://HOST:0``; its banner says which) and the router subscribes to them
 (``--kv-event-source``), so it routes on what each instance really holds.
@@ -56,6 +59,14 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
 #: Lines of each child's output kept to explain its death.
 TAIL_LINES = 40
+#: What ``--on-instance-exit`` may say: start it again, serve on without it, stop all.
+ON_INSTANCE_EXIT = ("restart", "continue", "stop")
+#: An instance that exits this many times in a row before serving is left out: its start
+#: keeps failing (a bad flag, a taken port, too little memory), so starting it again won't help.
+MAX_FAILED_STARTS = 3
+#: Seconds between the Rust routers' health checks of each instance (theirs is 60): a dead
+#: instance leaves the rotation within about two of them.
+HEALTH_CHECK_INTERVAL_S = 2
 
 _SERVING = re.compile(r"^kvtier: serving (?P<name>.+) at (?P<url>\S+)/v1\b")
 #: The banner lines of an instance that vllm-router's kv_aware policy needs: where its KV
@@ -135,6 +146,14 @@ routing (--routing):
   request to the one holding the longest prefix of its tokens.
   A shared Redis tier makes any instance able to load a prefix another one computed,
   so round-robin then hits too (at the cost of moving the blocks over the network).
+
+when an instance dies (--on-instance-exit):
+  restart       (default) the cluster takes it out of the router at once, starts it again
+                on the same port, and puts it back once it serves; the requests in flight
+                on it fail, new ones go to the other instances meanwhile
+  continue      it stays out; the cluster stops when no instance is left
+  stop          the whole cluster stops, exit status 1
+  The router or Redis dying stops the cluster in every case.
 
 Each instance gets OMP_NUM_THREADS = CPU cores / N unless the variable is set,
 so CPU instances do not fight over cores.
@@ -486,6 +505,10 @@ def _router_argv(
         argv += ["--kv-event-block-size", str(events.block_size)]
         argv += ["--kv-event-model", events.model]
     argv += ["--prometheus-port", str(metrics_port), "--prometheus-host", args.host]
+    given = {a.split("=", 1)[0] for a in args.router_arg or ()}
+    if "--health-check-interval-secs" not in given:
+        # So a dead instance leaves the rotation in seconds, not the routers' minute.
+        argv += ["--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)]
     argv += ["--log-level", "info" if args.verbose else kind.quiet_level]
     return argv + list(args.router_arg or ())
 
@@ -501,13 +524,124 @@ def _wait_router(child: Child, url: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _watch(children: Sequence[Child]) -> Child | None:
-    """Block until Ctrl-C / SIGTERM (None) or a child's death (that child)."""
+@dataclass
+class Instance:
+    """One ``kvtier serve`` of the cluster: how to start it again on the same address."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    child: Child
+    #: Where it serves (the router's name for it), once it has.
+    url: str = ""
+    #: Exits in a row before its serving line, for MAX_FAILED_STARTS.
+    failed_starts: int = 0
+    #: Started again and not yet serving.
+    restarting: bool = False
+    #: Left out: ``--on-instance-exit continue``, or it kept failing.
+    down: bool = False
+
+    def pin_addresses(self) -> None:
+        """Rewrite port 0 in its argv to the ports it bound, so a restart keeps its URL.
+
+        The router knows an instance by its URL (and, with kv_aware, by the KV event
+        endpoint it subscribed to): a restarted instance must come back on both.
+        """
+        if self.child.serving is not None:
+            self.url = self.child.serving.group("url")
+            bound = urllib.parse.urlsplit(self.url).port
+            at = self.argv.index("--port") + 1 if "--port" in self.argv else 0
+            if bound and at and self.argv[at] == "0":
+                self.argv[at] = str(bound)
+        if "--kv-events" in self.argv and self.child.events_at is not None:
+            at = self.argv.index("--kv-events") + 1
+            if self.argv[at].endswith(":0"):
+                port_text = self.child.events_at.rpartition(":")[2]
+                self.argv[at] = self.argv[at][: -len("0")] + port_text
+
+    def may_restart(self) -> bool:
+        """Record an exit; False once MAX_FAILED_STARTS starts in a row ended before serving.
+
+        An instance that served and then died (killed, out of memory) is always started
+        again; only one that cannot get as far as serving is given up on.
+        """
+        self.failed_starts = self.failed_starts + 1 if self.restarting else 0
+        return self.failed_starts < MAX_FAILED_STARTS
+
+
+def _post_ok(url: str, timeout_s: float = 5.0) -> bool:
+    try:
+        req = urllib.request.Request(url, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return 200 <= int(resp.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _tell_router(admin: str | None, action: str, inst: Instance) -> None:
+    """Add or remove an instance at the router at once, not at its next health check.
+
+    Between an instance's death and the router's health checks noticing it, the router
+    would still pick it, and its retries go to the same instance: those requests fail.
+    """
+    if admin is None or not inst.url:
+        return
+    query = urllib.parse.urlencode({"url": inst.url})
+    if not _post_ok(f"{admin}/{action}_worker?{query}"):
+        _say(f"warning: the router did not take {action}_worker for {inst.url}", err=True)
+
+
+def _say(text: str, err: bool = False) -> None:
+    print(f"kvtier: {text}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _supervise(
+    router: Child,
+    instances: Sequence[Instance],
+    others: Sequence[Child],
+    on_exit: str,
+    admin: str | None = None,
+) -> Child | None:
+    """Serve until Ctrl-C / SIGTERM (None) or a death the cluster cannot go on after.
+
+    An instance that exits is restarted on its own address, left out, or ends it all,
+    as ``on_exit`` says; the router, Redis, or the last instance ending ends it all.
+    ``admin`` is the router's URL when it takes ``/add_worker`` and ``/remove_worker``.
+    """
     try:
         while True:
-            for child in children:
+            for child in (router, *others):
                 if not child.alive:
                     return child
+            for inst in instances:
+                if inst.down:
+                    continue
+                if inst.child.alive:
+                    if inst.restarting and inst.child.serving is not None:
+                        inst.restarting = False
+                        _tell_router(admin, "add", inst)
+                        _say(f"{inst.name} serving again (pid {inst.child.proc.pid})")
+                    continue
+                if not inst.restarting:
+                    _tell_router(admin, "remove", inst)
+                _say(inst.child.why_dead(), err=True)
+                if on_exit == "stop":
+                    return inst.child
+                if on_exit == "restart" and inst.may_restart():
+                    _say(f"starting {inst.name} again at {inst.url}")
+                    inst.restarting = True
+                    inst.child = _spawn(inst.name, inst.argv, env=inst.env, echo=True)
+                    continue
+                inst.down = True
+                left = sum(not i.down for i in instances)
+                why = (
+                    f"it exited {MAX_FAILED_STARTS} times in a row before serving"
+                    if on_exit == "restart"
+                    else "--on-instance-exit continue"
+                )
+                _say(f"{inst.name} left out ({why}); {left} instance(s) serving", err=True)
+                if left == 0:
+                    return inst.child
             time.sleep(0.2)
     except (KeyboardInterrupt, _Stop):
         return None
@@ -531,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, _raise_stop) for s in stops}
     redis: Child | None = None
-    instances: list[Child] = []
+    slots: list[Instance] = []
     router: Child | None = None
     workdir = tempfile.mkdtemp(prefix="kvtier-cluster-")
     try:
@@ -551,8 +685,11 @@ def run(args: argparse.Namespace) -> int:
             instance_port = args.instance_port + i if args.instance_port else 0
             argv = _serve_argv(args, instance_port, tier, role, args.kv_events[i])
             name = f"{role} {i + 1}" if role else f"serve {i + 1}"
-            instances.append(_spawn(name, argv, env=env, echo=True))
+            slots.append(Instance(name, argv, env, _spawn(name, argv, env=env, echo=True)))
+        instances = [slot.child for slot in slots]
         _wait_serving(instances, args.startup_timeout)
+        for slot in slots:
+            slot.pin_addresses()
         urls = [child.serving.group("url") for child in instances if child.serving]
         events = _event_sources(instances, urls) if _kv_aware(args, kind) else None
         router_argv = _router_argv(args, kind, router_port, urls, roles, events)
@@ -585,9 +722,17 @@ def run(args: argparse.Namespace) -> int:
             f"try: curl {url}/v1/models); Ctrl-C stops everything",
             flush=True,
         )
-        died = _watch([router, *instances, *([redis] if redis else [])])
+        # vllm-router and sglang-router take workers in and out over HTTP; kvtier route
+        # moves a request on to the next instance when one refuses the connection.
+        admin = url if kind is not ROUTERS["kvtier"] else None
+        died = _supervise(router, slots, [redis] if redis else [], args.on_instance_exit, admin)
         if died is not None:
-            print(f"kvtier: error: {died.why_dead()}", file=sys.stderr, flush=True)
+            if died in (router, redis):
+                _say(f"error: {died.why_dead()}", err=True)
+            elif args.on_instance_exit == "stop":
+                _say("error: an instance exited (--on-instance-exit stop); stopping", err=True)
+            else:
+                _say("error: no instance left serving; stopping the cluster", err=True)
             return 1
         print("kvtier: stopping the cluster", flush=True)
         return 0
@@ -595,14 +740,18 @@ def run(args: argparse.Namespace) -> int:
         print("kvtier: interrupted while starting; stopping", file=sys.stderr, flush=True)
         return 130
     finally:
+        # A second Ctrl-C must not cut the shutdown short and leave children behind:
+        # each child gets STOP_GRACE_S and is then killed anyway.
+        for s in stops:
+            signal.signal(s, signal.SIG_IGN)
         # The router first, so it sends nothing to an instance being stopped.
         if router is not None:
             router.stop(signal.SIGTERM)
         # SIGTERM, not SIGINT: a child inherits an ignored SIGINT from a background shell.
-        for child in instances:  # all at once: they shut down in parallel
-            child.send(signal.SIGTERM)
-        for child in instances:
-            child.stop(signal.SIGTERM)
+        for slot in slots:  # all at once: they shut down in parallel
+            slot.child.send(signal.SIGTERM)
+        for slot in slots:
+            slot.child.stop(signal.SIGTERM)
         if redis is not None:
             redis.stop(signal.SIGTERM)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -736,6 +885,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         default=1,
         metavar="N",
         help="with --pd, how many instances prefill (default 1; the rest decode)",
+    )
+    cluster.add_argument(
+        "--on-instance-exit",
+        choices=ON_INSTANCE_EXIT,
+        default="restart",
+        help="when an instance exits while the cluster serves: restart it on the same "
+        f"address (given up after {MAX_FAILED_STARTS} exits in a row before serving), "
+        "continue without it, or stop the whole cluster (default restart). The router is "
+        "told at once (vllm-router, sglang-router: /remove_worker, then /add_worker when it "
+        "serves again), so no new request goes to it meanwhile",
     )
     cluster.add_argument(
         "--verbose", action="store_true", help="relay the router's and Redis's info logs too"
