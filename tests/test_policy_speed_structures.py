@@ -39,7 +39,7 @@ class ByReturnMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.expiry: dict[int, float] = {}
         self.depth: dict[int, int] = {}
-        self.policy = ByReturn(self.expiry, lambda key: self.depth.get(key, 0))
+        self.policy = ByReturn(self.expiry, self.depth)
         self.policy.bind(64)
         #: Reference: sorted (-until, -depth, -seq, key) of the evictable keys, and the held ones.
         self.order: list[tuple[float, int, int, int]] = []

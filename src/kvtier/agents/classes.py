@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from typing import TYPE_CHECKING
 
 from kvtier.agents.graph import FAR
@@ -35,6 +35,14 @@ from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.guard import LRUGuard
 
 
+def _groups(keys: list[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
+    """``keys`` grouped by their ``ranks`` (order kept within each), in order of first key."""
+    first = ranks[0]
+    if ranks.count(first) == len(ranks):
+        return [(first, keys)]
+    return [(rank, list(compress(keys, map(rank.__eq__, ranks)))) for rank in dict.fromkeys(ranks)]
+
+
 class RankClasses:
     """One eviction order per rank, and the class of every resident key outside the default."""
 
@@ -46,6 +54,7 @@ class RankClasses:
     _pinned: set[int]
     _tags: OrderedDict[int, Tag]
     _expiry: dict[int, float]
+    _depth_of: dict[int, int]
     _protected: dict[int, tuple[float, int]]
     _global: EvictionPolicy
     _size_table: dict[int, int] | None
@@ -88,7 +97,7 @@ class RankClasses:
                 # Hint-ranked classes order their keys themselves: by when a pin
                 # ends, or by request recency with a chain's tail first.
                 c = (
-                    ByReturn(self._expiry, self._depth)
+                    ByReturn(self._expiry, self._depth_of)
                     if rank >= WAITING and rank in TIMED
                     else TailFirstLRU()
                 )
@@ -105,13 +114,16 @@ class RankClasses:
         """The class ``key`` belongs in now: its tag, its pin, its agents' distances."""
         if key in self._protected:
             return PINNED
-        tag = self._tags.get(key)
+        return self._tag_rank(self._tags.get(key), key in self._expiry)
+
+    def _tag_rank(self, tag: Tag | None, ttl: bool) -> int:
+        """The class of an unprotected key tagged ``tag``; ``ttl``: a TTL pins it."""
         if tag is None:
-            return WAITING if key in self._expiry else DEFAULT
+            return WAITING if ttl else DEFAULT
         reuse = tag.reuse
         if reuse == "never":
             return NEVER
-        if not tag.shared and key in self._expiry:
+        if ttl and not tag.shared:
             # A shared prefix's pin ends when its last user is due, but it is due
             # when its first one is: it ranks as a shared prefix, above every wait.
             return WAITING
@@ -132,6 +144,18 @@ class RankClasses:
         if d < 0:
             d = 0
         return (SHARED if tag.shared else DYNAMIC) + (FAR - d)
+
+    def _ranks_of(self, keys: Sequence[int]) -> list[int]:
+        """:meth:`_rank` of each of ``keys``, looking at each distinct tag once."""
+        found = list(map(self._tags.get, keys))
+        tag_rank = self._tag_rank
+        of_tag = {t: (tag_rank(t, False), tag_rank(t, True)) for t in set(found)}
+        protected = self._protected
+        expiry = self._expiry
+        return [
+            PINNED if k in protected else of_tag[t][k in expiry]
+            for k, t in zip(keys, found, strict=True)
+        ]
 
     def _distances(self, workflow_id: str) -> dict[str, int]:
         """The workflow's agents' steps-to-execution, kept until the tracker says it changed."""
@@ -169,6 +193,63 @@ class RankClasses:
             del self._class_of[key]
         else:
             self._class_of[key] = new
+
+    def _move_many(self, keys: list[int]) -> None:
+        """:meth:`_move` of each of ``keys`` in turn, a key named twice moved the first time.
+
+        For keys whose rank inputs were settled before any of them moves (each
+        key's own, so its rank now is the one it had when its turn came).
+        """
+        if not keys:
+            return
+        if len(keys) > 1:
+            keys = list(dict.fromkeys(keys))
+        olds = list(map(self._class_of.get, keys, repeat(DEFAULT)))
+        news = self._ranks_of(keys)
+        moving = list(map(int.__ne__, olds, news))
+        if any(moving):
+            self._shift_many(
+                list(compress(keys, moving)),
+                list(compress(olds, moving)),
+                list(compress(news, moving)),
+            )
+
+    def _shift_many(self, keys: list[int], olds: list[int], news: list[int]) -> None:
+        """:meth:`_shift` of each of ``keys`` from ``olds[i]`` to ``news[i]``, in turn.
+
+        The keys are distinct. Where every key has size 1 and every class
+        involved is a hint-ranked one, each class is left and joined in one
+        batch: those orders only append, so an insert lands where it would have
+        whatever other classes did in between.
+        """
+        if not keys:
+            return
+        classes = self._classes
+        table = self._size_table
+        if table is not None and not table:
+            for rank in news:
+                if rank not in classes:
+                    self._cls(rank)
+            ranks = dict.fromkeys(olds)
+            ranks.update(dict.fromkeys(news))
+            batch = all(isinstance(classes[r], ByReturn | TailFirstLRU) for r in ranks)
+        else:
+            batch = False
+        if not batch:
+            for key, old, new in zip(keys, olds, news, strict=True):
+                self._shift(key, old, new)
+            return
+        for rank, group in _groups(keys, olds):
+            c = classes[rank]
+            assert isinstance(c, ByReturn | TailFirstLRU)
+            c.remove_many(group)
+        pinned = self._pinned
+        for rank, group in _groups(keys, news):
+            c = classes[rank]
+            assert isinstance(c, ByReturn | TailFirstLRU)
+            c.join(group, pinned)
+        # Hint-ranked classes only: no key went to the fallback's.
+        self._class_of.update(zip(keys, news, strict=True))
 
     def _on_workflow(self, workflow_id: str) -> None:
         """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
@@ -259,20 +340,17 @@ class RankClasses:
         class_of = self._class_of
         if not class_of:
             return [(classes[DEFAULT], keys)]
-        ranks = list(map(class_of.get, keys, repeat(DEFAULT, len(keys))))
+        ranks = list(map(class_of.get, keys, repeat(DEFAULT)))
         if not ranks:
             return []
         first = ranks[0]
         if ranks.count(first) == len(ranks):
             return [(classes[first], keys)]  # one class: the usual case
-        groups: dict[int, list[int]] = {}
-        for key, rank in zip(keys, ranks, strict=True):
-            group = groups.get(rank)
-            if group is None:
-                groups[rank] = [key]
-            else:
-                group.append(key)
-        return [(classes[rank], group) for rank, group in groups.items()]
+        # One pass at C speed per class: a request's keys span a few classes only.
+        return [
+            (classes[rank], list(compress(keys, map(rank.__eq__, ranks))))
+            for rank in dict.fromkeys(ranks)
+        ]
 
     def evictable_due_after(self, distance: int) -> int:
         """Evictable size units of blocks due later than ``distance`` steps (or never).

@@ -20,8 +20,11 @@ The order in which valid keys come out is exactly that of a heap holding one
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import neg
 from typing import TYPE_CHECKING
 
 from kvtier.agents.ranks import DEFAULT, ByReturn
@@ -31,6 +34,8 @@ from kvtier.policy.base import EvictionPolicy
 
 #: ``(-depth, key)``: a pinned key and its place in its chain, as pushed.
 Pair = tuple[int, int]
+#: Above any sequence number :class:`LatestPins` gives an entry.
+_AFTER = 1 << 62
 
 
 class EndQueue:
@@ -53,11 +58,12 @@ class EndQueue:
         self._seq += 1
         heapq.heappush(self._heap, (until, self._seq, pairs))
 
-    def due(self, now: float) -> tuple[float, list[Pair]] | None:
+    def pop_due(self, now: float) -> tuple[float, list[Pair]] | None:
         """The soonest end if it is no later than ``now``, with every key pushed for it.
 
-        The keys come in ``(-depth, key)`` order, duplicates included (a key
-        pushed twice for one end is stale the second time).
+        The keys come in no particular order, duplicates included (a key
+        pushed twice for one end is stale the second time); the list is the
+        caller's.
         """
         heap = self._heap
         if not heap or heap[0][0] > now:
@@ -67,10 +73,15 @@ class EndQueue:
             pairs = list(pairs)
             while heap and heap[0][0] == until:
                 pairs.extend(heapq.heappop(heap)[2])
-            pairs.sort()
-        elif len(pairs) > 1:
-            pairs = sorted(pairs)
         return until, pairs
+
+    def due(self, now: float) -> tuple[float, list[Pair]] | None:
+        """:meth:`pop_due` with the keys in ``(-depth, key)`` order."""
+        due = self.pop_due(now)
+        if due is None:
+            return None
+        until, pairs = due
+        return until, sorted(pairs)
 
 
 class LatestPins:
@@ -148,7 +159,10 @@ class TtlPins:
     """
 
     _tags: OrderedDict[int, Tag]
-    _global: EvictionPolicy
+    #: Each tagged key's position in its chain.
+    _depth_of: dict[int, int]
+    #: Every resident key.
+    _resident: set[int]
     _classes: dict[int, EvictionPolicy]
     _class_of: dict[int, int]
     _size_table: dict[int, int] | None
@@ -185,6 +199,14 @@ class TtlPins:
 
         def _depth(self, key: int) -> int: ...
 
+        def _never_reused(self, key: int, tag: Tag, memo: dict[Tag, Tag]) -> None: ...
+
+        def _ranks_of(self, keys: Sequence[int]) -> list[int]: ...
+
+        def _shift_many(self, keys: list[int], olds: list[int], news: list[int]) -> None: ...
+
+        def _move_many(self, keys: list[int]) -> None: ...
+
     @property
     def pin_cap(self) -> int:
         """Size units TTL pins may protect at most."""
@@ -203,64 +225,77 @@ class TtlPins:
         exactly then, and used by no one else, take the new end even if it is
         sooner (a session back early, due again soon).
         """
-        tags = self._tags
         expiry = self._expiry
-        resident = self._global
-        classes = self._classes
-        class_of = self._class_of
-        overdue = self._overdue
+        get = expiry.get
+        # The keys whose pin changes: any pinned until sooner (or not at all), and
+        # with ``replacing`` later than ``until``, the owner's own keys pinned until
+        # exactly then (a shared key's pin only ever lengthens).
+        if replacing is None or replacing <= until:
+            changed = [k for k in keys if get(k, -1.0) < until]
+        else:
+            tag_of = self._tags.get
+            changed = [
+                k
+                for k in keys
+                if (old := get(k, -1.0)) < until
+                or (old == replacing and (t := tag_of(k)) is not None and not t.shared)
+            ]
+        if not changed:
+            return
         # Past its end a pin still ranks its key by when it was due, for as long
         # again: a session seldom comes back exactly on time, and one that is late
         # is due any moment (one that never comes back is dropped after that).
         late = until + max(until - self._now, 0.0)
-        late_of = self._late
+        expiry.update(zip(changed, repeat(until)))
+        overdue = self._overdue
+        if overdue:
+            for key in overdue.keys() & changed:
+                del overdue[key]
+        self._late.update(zip(changed, repeat(late)))
+        neg_depths = list(map(neg, map(self._depth_of.get, changed, repeat(0))))
+        resident = self._resident
+        held = [i for i, k in enumerate(changed) if k in resident]
+        if held:
+            self._repin(changed, neg_depths, held, until)
+        self._ends.push(until, list(zip(neg_depths, changed, strict=True)))
+
+    def _repin(self, keys: list[int], neg_depths: list[int], at: list[int], until: float) -> None:
+        """The resident ``keys[i]`` for ``i`` in ``at``, pinned until ``until`` now: protect
+        them (or move their protection), and re-sort those their class orders by pin end."""
+        classes = self._classes
+        class_of = self._class_of
         protected = self._protected
         ahead = until > self._now
         table = self._size_table
         pin_state = self._pin_state
         rank_of = self._rank
         shift = self._shift
-        ends: list[Pair] = []
         # Protected keys whose pin only moves, pushed as one batch before anything
         # else reads the order of protections.
         moved: list[Pair] = []
-        for key in keys:
-            old = expiry.get(key, -1.0)
-            if old >= until and (old != replacing or old == until):
-                continue
-            tag = tags.get(key)
-            if old > until and (tag is None or tag.shared):
-                continue
-            expiry[key] = until
-            if key in overdue:
-                del overdue[key]
-            late_of[key] = late
-            neg_depth = 0 if tag is None else -tag.depth
-            ends.append((neg_depth, key))
-            if key in resident:
-                if ahead and key in protected:
-                    # _pin_state for a key protected already, inline (a session's
-                    # every turn re-pins its whole chain): the pin only moves.
-                    size = self._size(key) if table is None else table.get(key, 1) if table else 1
-                    protected[key] = (until, size)
-                    moved.append((neg_depth, key))
-                else:
-                    if moved:
-                        self._latest.push_many(until, moved)
-                        moved = []
-                    # _protect, inline.
-                    if pin_state(key, until):
-                        was = class_of.get(key, DEFAULT)
-                        rank = rank_of(key)
-                        if rank != was:
-                            shift(key, was, rank)
-                c = classes.get(class_of.get(key, DEFAULT))
-                if isinstance(c, ByReturn):
-                    c.access(key)  # its pin ends at another time now: re-sort it
+        for i in at:
+            key = keys[i]
+            if ahead and key in protected:
+                # _pin_state for a key protected already, inline (a session's
+                # every turn re-pins its whole chain): the pin only moves.
+                size = self._size(key) if table is None else table.get(key, 1) if table else 1
+                protected[key] = (until, size)
+                moved.append((neg_depths[i], key))
+            else:
+                if moved:
+                    self._latest.push_many(until, moved)
+                    moved = []
+                # _protect, inline.
+                if pin_state(key, until):
+                    was = class_of.get(key, DEFAULT)
+                    rank = rank_of(key)
+                    if rank != was:
+                        shift(key, was, rank)
+            c = classes.get(class_of.get(key, DEFAULT))
+            if isinstance(c, ByReturn):
+                c.access(key)  # its pin ends at another time now: re-sort it
         if moved:
             self._latest.push_many(until, moved)
-        if ends:
-            self._ends.push(until, ends)
 
     def _protect(self, key: int, until: float) -> None:
         if self._pin_state(key, until):
@@ -278,8 +313,7 @@ class TtlPins:
         table = self._size_table
         size = self._size(key) if table is None else table.get(key, 1) if table else 1
         latest = self._latest
-        tag = self._tags.get(key)
-        neg_depth = 0 if tag is None else -tag.depth
+        neg_depth = -self._depth_of.get(key, 0)
         if key in protected:
             protected[key] = (until, size)
             latest.push(until, neg_depth, key)
@@ -316,12 +350,192 @@ class TtlPins:
             latest.rebuild((u, -depth(k), k) for k, (u, _) in protected.items())
         return True
 
+    def _protect_new(self, keys: list[int]) -> None:
+        """:meth:`_pin_state` for each of ``keys`` that is pinned until later than now, in
+        turn: keys of size 1 just inserted, in no class yet (the caller places them).
+
+        Keys of other requests that yield move to their classes once every key
+        had its turn: nothing reads the classes before, and each yields once.
+        """
+        now = self._now
+        cap = int(self.pin_fraction * self.capacity)  # pin_cap
+        if cap < 1:
+            return
+        expiry = self._expiry
+        run = [k for k in keys if expiry.get(k, now) > now]
+        if not run:
+            return
+        ends = set(map(expiry.__getitem__, run))
+        nds = list(map(neg, map(self._depth_of.get, run, repeat(0))))
+        pairs = list(zip(nds, run, strict=True))
+        if len(ends) == 1 and all(map(tuple.__lt__, pairs, pairs[1:])):
+            (until,) = ends
+            yielded = self._protect_run(run, nds, until)
+        else:
+            yielded = self._protect_each(run)
+        if yielded:
+            class_of = self._class_of
+            olds = list(map(class_of.get, yielded, repeat(DEFAULT)))
+            news = self._ranks_of(yielded)
+            moving = list(map(int.__ne__, olds, news))
+            self._shift_many(
+                list(compress(yielded, moving)),
+                list(compress(olds, moving)),
+                list(compress(news, moving)),
+            )
+        latest = self._latest
+        protected = self._protected
+        if latest.size > 4 * len(protected) + 64:
+            depth = self._depth_of.get
+            latest.rebuild((u, -depth(k, 0), k) for k, (u, _) in protected.items())
+
+    def _protect_run(self, run: list[int], nds: list[int], until: float) -> list[int]:
+        """:meth:`_protect_each` for keys pinned until the same ``until``, in ascending
+        ``(-depth, key)`` order (a chain, tail first: the usual batch).
+
+        The batch's protected keys then leave in the order they came (each the
+        first of them in the order of protections), so they are a queue, not a
+        heap: ``kept[lo:]`` are protected. A key's turn is a comparison with the
+        first other protection, which is looked up again only once it yielded.
+        """
+        cap = int(self.pin_fraction * self.capacity)
+        protected = self._protected
+        latest = self._latest
+        order = latest._heap
+        used = self._protected_used
+        yielded: list[int] = []
+        kept: list[int] = []  # indices into run
+        lo = 0
+        # The first valid protection of another request, (-end, -depth, key, ...).
+        head: tuple[float, int, int, int, list[Pair]] | None = None
+        n = len(run)
+        i = 0
+        while i < n:
+            if used < cap:
+                kept.append(i)
+                used += 1
+                i += 1
+                continue
+            if head is None:
+                while order:
+                    top = order[0]
+                    entry = protected.get(top[2])
+                    # A key of the batch has no protection yet: any entry of its
+                    # is stale (or the same as the one it has in the queue).
+                    if entry is not None and entry[0] == -top[0]:
+                        head = top
+                        break
+                    latest.pop()  # stale
+            if lo < len(kept):
+                first = kept[lo]
+                if (
+                    head is None
+                    or -head[0] < until
+                    or (-head[0] == until and (nds[first], run[first]) < head[1:3])
+                ):
+                    lo += 1  # the batch's first protected key yields to this one
+                    kept.append(i)
+                    i += 1
+                    continue
+            if head is None or -head[0] < until:
+                break  # every current pin ends sooner: this key and the rest wait
+            latest.pop()
+            victim = head[2]
+            head = None
+            used -= protected.pop(victim)[1]
+            yielded.append(victim)
+        self._protected_used = used
+        if lo < len(kept):
+            stay = kept[lo:]
+            protected.update(zip([run[j] for j in stay], repeat((until, 1))))
+            latest.push_many(until, [(nds[j], run[j]) for j in stay])
+        return yielded
+
+    def _protect_each(self, keys: list[int]) -> list[int]:
+        """:meth:`_protect_new` one key after another; returns the keys of other
+        requests that yielded, in turn.
+
+        Those protected wait in a heap of their own, ``(-until, -depth, key)``, and
+        join the order of protections at the end: the pin that yields is always
+        the first of both orders, as with one order. A key of the batch that
+        yields needs no move (it has no class yet).
+        """
+        now = self._now
+        cap = int(self.pin_fraction * self.capacity)  # pin_cap
+        expiry_get = self._expiry.get
+        depth_get = self._depth_of.get
+        protected = self._protected
+        latest = self._latest
+        order = latest._heap
+        pending = set(keys)
+        # Keys of other requests that yielded, in turn: they move once the batch is
+        # done (nothing reads the classes before, and each yields once).
+        yielded: list[int] = []
+        # (-until, -depth, key, _AFTER): the entry's key sorts after the same one in
+        # the order of protections, as it would had it been pushed there.
+        fresh: list[tuple[float, int, int, int]] = []
+        used = self._protected_used
+        pop = heapq.heappop
+        # Keys pinned until this or later wait: one did, and nothing changed since.
+        waits = math.inf
+        for key in keys:
+            until = expiry_get(key)
+            if until is None or until <= now or cap < 1 or until >= waits:
+                continue
+            while used >= cap:
+                # The pin that ends latest yields (see _pin_state), from either order.
+                while order:
+                    head = order[0]
+                    entry = protected.get(head[2])
+                    if entry is not None and entry[0] == -head[0]:
+                        break
+                    latest.pop()  # stale
+                while fresh:
+                    first = fresh[0]
+                    entry = protected.get(first[2])
+                    if entry is not None and entry[0] == -first[0]:
+                        break
+                    pop(fresh)  # stale
+                if fresh and (not order or fresh[0] < order[0][:4]):
+                    end, victim = -fresh[0][0], fresh[0][2]
+                    if end < until:
+                        waits = until  # every current pin ends sooner than this one
+                        break
+                    pop(fresh)
+                elif order:
+                    end, victim = -order[0][0], order[0][2]
+                    if end < until:
+                        waits = until
+                        break
+                    latest.pop()
+                else:
+                    waits = until
+                    break
+                used -= protected.pop(victim)[1]
+                if victim not in pending:
+                    yielded.append(victim)
+            else:
+                protected[key] = (until, 1)
+                used += 1
+                heapq.heappush(fresh, (-until, -depth_get(key, 0), key, _AFTER))
+                waits = math.inf
+        self._protected_used = used
+        # The batch's protections that stand join the order, one batch per end.
+        ends: dict[float, list[Pair]] = {}
+        for neg_until, neg_depth, key, _ in fresh:
+            entry = protected.get(key)
+            if entry is not None and entry[0] == -neg_until:
+                ends.setdefault(-neg_until, []).append((neg_depth, key))
+        for until, pairs in ends.items():
+            latest.push_many(until, pairs)
+        return yielded
+
     def _unprotect(self, key: int) -> None:
         entry = self._protected.pop(key, None)
         if entry is None:
             return
         self._protected_used -= entry[1]
-        if key in self._global:
+        if key in self._resident:
             self._move(key)
 
     def expire(self, now: float) -> int:
@@ -335,33 +549,57 @@ class TtlPins:
         overdue = self._overdue
         late_of = self._late
         protected = self._protected
-        resident = self._global
+        resident = self._resident
+        ex_get = expiry.get
+        od_get = overdue.get
+        depth_of = self._depth_of
         while True:
-            due = ends.due(now)
+            due = ends.pop_due(now)
             if due is None:
                 break
             until, pairs = due
-            for _, key in pairs:
-                if overdue.get(key) == until:
+            # Most pairs are stale (a session's next turn re-pinned its chain): only a
+            # key whose pin or overdue deadline ends now is looked at further, in the
+            # (-depth, key) order of the end's pairs.
+            live = [p for p in pairs if ex_get(p[1]) == until or od_get(p[1]) == until]
+            live.sort()
+            # Keys going overdue, by deadline: one queue entry per deadline (the
+            # queue merges the entries of one end and sorts their keys anyway).
+            late_ends: dict[float, list[Pair]] = {}
+            moves: list[int] = []
+            for _, key in live:
+                if od_get(key) == until:
                     # Late for as long as it was pinned: not coming back.
                     del overdue[key]
                     del expiry[key]
                     if key in resident:
-                        self._move(key)
+                        moves.append(key)
                     continue
-                if expiry.get(key) != until or key in overdue:
+                if ex_get(key) != until or key in overdue:
                     continue  # stale
                 late = late_of.pop(key, until)
                 if late > until:
                     overdue[key] = late
-                    ends.push(late, [(-self._depth(key), key)])
+                    pair = (-depth_of.get(key, 0), key)
+                    group = late_ends.get(late)
+                    if group is None:
+                        late_ends[late] = [pair]
+                    else:
+                        group.append(pair)
                 else:
                     del expiry[key]
-                if key in protected:
-                    self._unprotect(key)
+                entry = protected.pop(key, None)
+                if entry is not None:
+                    # _unprotect, inline (a protected key is resident).
+                    self._protected_used -= entry[1]
                     n += 1
+                    moves.append(key)
                 elif key in resident:
-                    self._move(key)
+                    moves.append(key)
+            # Nothing above reads the classes: the keys move together, in turn.
+            self._move_many(moves)
+            for late, group in late_ends.items():
+                ends.push(late, group)
         return n
 
     def _tick(self) -> None:
@@ -372,7 +610,9 @@ class TtlPins:
         """End the pins a session set until ``until`` on its own ``keys`` (chain order)."""
         expiry = self._expiry
         tags = self._tags
-        resident = self._global
+        resident = self._resident
+        protected = self._protected
+        moves: list[int] = []
         for key in reversed(keys):
             if expiry.get(key) != until:
                 continue  # pinned later by someone else
@@ -382,24 +622,34 @@ class TtlPins:
             del expiry[key]
             self._overdue.pop(key, None)
             self._late.pop(key, None)
-            if key in self._protected:
-                self._unprotect(key)
+            entry = protected.pop(key, None)
+            if entry is not None:
+                self._protected_used -= entry[1]
+                moves.append(key)
             elif key in resident:
-                self._move(key)
+                moves.append(key)
+        self._move_many(moves)
 
     def _end(self, rec: Session) -> None:
         """Release an ended session's pins; its own blocks are never reused."""
         tags = self._tags
-        resident = self._global
+        resident = self._resident
+        protected = self._protected
+        memo: dict[Tag, Tag] = {}
+        moves: list[int] = []
         for key in reversed(rec.keys):
             self._overdue.pop(key, None)
             self._late.pop(key, None)
-            if self._expiry.pop(key, None) is not None and key in self._protected:
-                self._unprotect(key)
+            if self._expiry.pop(key, None) is not None:
+                entry = protected.pop(key, None)
+                if entry is not None:
+                    self._protected_used -= entry[1]
             tag = tags.get(key)
             if tag is not None and not tag.shared:
-                tag.reuse = "never"
+                if tag.reuse != "never":
+                    self._never_reused(key, tag, memo)
                 if self.collect_released:
                     self._released.append(key)
             if key in resident:
-                self._move(key)
+                moves.append(key)
+        self._move_many(moves)

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import compress
+from operator import not_
 from typing import Any, ClassVar
 
 from kvtier.agents.classes import RankClasses
 from kvtier.agents.pins import EndQueue, LatestPins, TtlPins
-from kvtier.agents.ranks import DEFAULT, WAITING
+from kvtier.agents.ranks import DEFAULT, WAITING, ByReturn, TailFirstLRU
 from kvtier.agents.sessions import SessionBook
 from kvtier.agents.tags import HintTags, Tag
 from kvtier.agents.tracker import WorkflowTracker
@@ -60,6 +62,7 @@ from kvtier.hints import Hints, parse_hints
 from kvtier.policy.admission import with_admission
 from kvtier.policy.base import EvictionPolicy, PolicyBase, request_hook
 from kvtier.policy.guard import LRUGuard
+from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.registry import make_policy, register_policy
 
 __all__ = ["DEFAULT", "WorkflowPolicy", "workflow_policy_of"]
@@ -126,11 +129,14 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         self._ranks: list[int] = []
         self._class_of: dict[int, int] = {}
         self._pinned: set[int] = set()
+        #: Every resident key (what the global instance holds), for membership at C speed.
+        self._resident: set[int] = set()
         self._tagged: dict[str, object] = {}
         self._dists: dict[str, dict[str, int]] = {}
         self._listening = True
         # The keys' hints (kvtier.agents.tags).
         self._tags: OrderedDict[int, Tag] = OrderedDict()
+        self._depth_of: dict[int, int] = {}
         self._history = 1024
         self._by_agent: dict[tuple[str, str], dict[int, None]] = {}
         self._by_workflow: dict[str, dict[str, None]] = {}
@@ -191,7 +197,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         self.requests += 1
         guard = self.guard
         if guard is not None:
-            guard.observe(keys, self._global)
+            guard.observe(keys, self._resident)
         # A request-aware fallback (learned-reuse) learns from every request, hinted or not.
         hook = self._fallback_hook
         if hook is not None:
@@ -348,6 +354,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
 
     def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
         self._global.insert(key, pinned, size)
+        self._resident.add(key)
         if pinned:
             self._pinned.add(key)
         self._place(key, pinned, size)
@@ -356,6 +363,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
     ) -> None:
         self._global.insert_many(keys, pinned, sizes)
+        self._resident.update(keys)
         if pinned:
             self._pinned.update(keys)
         tags = self._tags
@@ -368,40 +376,49 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         # A key neither hinted nor pinned by a TTL is in the fallback's class (never
         # protected: protection needs an expiry); it goes there at once, in chain
         # order, one insert each as _place would. The hint-ranked ones go tail first.
-        later: list[int] = []
-        default: EvictionPolicy | None = None
-        for key in keys:
-            if key in tags or key in expiry:
-                later.append(key)
+        hinted = [key in tags or key in expiry for key in keys]
+        if not all(hinted):
+            rest = list(compress(keys, map(not_, hinted)))
+            default = self._cls(DEFAULT)
+            if sizes is None and type(default) is LRUPolicy:
+                default.insert_many(rest, pinned)  # the same as one insert each
             else:
-                if default is None:
-                    default = self._cls(DEFAULT)
-                default.insert(key, pinned, 1 if sizes is None else size_of(key))
-        if not later:
-            return
-        by_agent = self._by_agent
-        by_workflow = self._by_workflow
-        for key in later:  # each agent's keys indexed in chain order
-            tag = tags.get(key)
-            if tag is not None:
-                for owner in tag.owners:
-                    keys_of = by_agent.get(owner)
-                    if keys_of is None:
-                        by_agent[owner] = {key: None}
-                        by_workflow.setdefault(owner[0], {})[owner[1]] = None
-                    else:
-                        keys_of[key] = None
+                for key in rest:
+                    default.insert(key, pinned, 1 if sizes is None else size_of(key))
+            later = list(compress(keys, hinted))
+            if not later:
+                return
+        else:
+            later = list(keys)
+        owned = {t for t in map(tags.get, later) if t is not None and t.owners}
+        if owned:
+            by_agent = self._by_agent
+            by_workflow = self._by_workflow
+            for key in later:  # each agent's keys indexed in chain order
+                tag = tags.get(key)
+                if tag is not None:
+                    for owner in tag.owners:
+                        keys_of = by_agent.get(owner)
+                        if keys_of is None:
+                            by_agent[owner] = {key: None}
+                            by_workflow.setdefault(owner[0], {})[owner[1]] = None
+                        else:
+                            keys_of[key] = None
+        later.reverse()
         place = self._place_indexed
         if type(self)._place_indexed is not WorkflowPolicy._place_indexed:
-            for key in reversed(later):
+            for key in later:
                 place(key, pinned, 1 if sizes is None else size_of(key))
+            return
+        if pinned and sizes is None:
+            self._hold_new(later)
             return
         # _place_indexed, inline.
         rank_of = self._rank
         pin_state = self._pin_state
         classes = self._classes
         class_of = self._class_of
-        for key in reversed(later):
+        for key in later:
             size = 1 if sizes is None else size_of(key)
             until = expiry.get(key)
             if until is not None:
@@ -415,6 +432,30 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
                 c = self._cls(rank)
             c.insert(key, pinned, size)
             class_of[key] = rank
+
+    def _hold_new(self, keys: list[int]) -> None:
+        """:meth:`_place_indexed` for each of ``keys`` in turn: new keys of size 1, all
+        pinned, hinted or pinned by a TTL (so none goes to the fallback's class).
+
+        Their protections are settled first, in turn, as one after another would;
+        pinned keys have no place in their class's order, so putting each in the
+        class it ends up in afterwards decides what inserting it and moving it as
+        later keys take its protection would.
+        """
+        self._protect_new(keys)
+        classes = self._classes
+        ranks = self._ranks_of(keys)
+        self._class_of.update(zip(keys, ranks, strict=True))
+        for rank in dict.fromkeys(ranks):
+            c = classes.get(rank)
+            if c is None:
+                c = self._cls(rank)
+            group = compress(keys, map(rank.__eq__, ranks))
+            if isinstance(c, ByReturn | TailFirstLRU):
+                c.hold_many(group)
+            else:
+                for key in group:
+                    c.insert(key, True)
 
     def access(self, key: int) -> None:
         self._global.access(key)
@@ -472,6 +513,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
     def _forget(self, key: int) -> None:
         """``key`` left the level: drop its class membership and protection."""
         self._class_of.pop(key, None)
+        self._resident.discard(key)
         self._pinned.discard(key)
         entry = self._protected.pop(key, None)
         if entry is not None:
@@ -487,6 +529,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         protected = self._protected
         tags = self._tags
         unindex = self._unindex_owners
+        self._resident.difference_update(victims)
         for key in victims:
             class_pop(key, None)
             if key in pinned:
@@ -498,7 +541,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
                 unindex(key, tag.owners)
 
     def remove(self, key: int) -> None:
-        if key not in self._global:
+        if key not in self._resident:
             return
         rank = self._class_of.get(key, DEFAULT)
         self._global.remove(key)
@@ -572,7 +615,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         return len(self._global)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._global
+        return key in self._resident
 
     @property
     def num_evictable(self) -> int:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Container, Iterable, Sequence
-from itertools import filterfalse
+from collections import deque
+from collections.abc import Container, Iterable, Sequence
+from functools import partial
+from itertools import filterfalse, repeat
+from operator import neg
 from typing import Any
 
 from kvtier.agents.graph import FAR
@@ -36,6 +39,8 @@ PINNED = 3 * FAR + 10
 TIMED = frozenset((WAITING, PINNED))
 #: Owners one key remembers at most (a block shared more widely is shared anyway).
 MAX_OWNERS = 8
+#: A :class:`ByReturn` heap entry: ``(-until, -depth, -seq, key)``.
+Entry = tuple[float, int, int, int]
 
 
 def keep_rank(distance: int, shared: bool) -> int:
@@ -75,6 +80,19 @@ class TailFirstLRU(LRUPolicy):
         self._order.update(dict.fromkeys(filterfalse(pinned.__contains__, keys)))
         self._pinned.update(filter(pinned.__contains__, keys))
 
+    def hold_many(self, keys: Iterable[int]) -> None:
+        """Insert ``keys`` (of size 1) pinned: ``insert(key, True)`` for each."""
+        self._pinned.update(keys)
+
+    def remove_many(self, keys: Sequence[int]) -> None:
+        """``remove(key)`` for each of ``keys``."""
+        if self._sizes:
+            for key in keys:
+                self.remove(key)
+            return
+        deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
+        self._pinned.difference_update(keys)
+
     def access_many(self, keys: Sequence[int]) -> None:
         order = self._order
         for key in reversed(keys):
@@ -86,66 +104,126 @@ class ByReturn(PolicyBase):
     """TTL-pinned keys: the key whose pin ends latest goes first, a chain's tail first.
 
     ``expiry`` maps a key to when its pin ends (when its session is expected
-    back); a key it does not name never expires. ``depth`` gives a key's
-    position in its chain, so that of keys due back together the deepest go
-    first (evicting a block evicts its descendants). The heap holds
-    ``(-until, -depth, -seq, key)`` entries, valid while ``_live[key]`` is
-    their first three: a re-sort pushes a fresh entry and leaves the old one
-    stale.
+    back); a key it does not name never expires. ``depths`` gives a key's
+    position in its chain (0 for a key it does not name), so that of keys due
+    back together the deepest go first (evicting a block evicts its
+    descendants). Both are the owner's tables, read when a key is pushed. The
+    heap holds ``(-until, -depth, -seq, key)`` entries, valid while
+    ``_live[key]`` is that very entry: a re-sort pushes a fresh entry and
+    leaves the old one stale.
+
+    Keys are pinned, released and re-sorted far more often than a class is
+    evicted from (the class of pinned keys hardly ever is), so entries join
+    the heap only when a victim is chosen: until then they wait in a list,
+    and those a later push superseded never reach the heap.
     """
 
-    def __init__(self, expiry: dict[int, float], depth: Callable[[int], int]) -> None:
+    def __init__(self, expiry: dict[int, float], depths: dict[int, int]) -> None:
         super().__init__()
         self._expiry = expiry
-        self._depth = depth
+        self._depths = depths
         self._seq = 0
-        #: Evictable keys -> the (-until, -depth, -seq) of their live heap entry.
-        self._live: dict[int, tuple[float, int, int]] = {}
-        self._heap: list[tuple[float, int, int, int]] = []
+        #: Evictable keys -> their live heap entry.
+        self._live: dict[int, Entry] = {}
+        self._heap: list[Entry] = []
+        #: Entries pushed since the heap last took them, in push order.
+        self._fresh: list[Entry] = []
         self._held: set[int] = set()
+
+    def _entries(self, keys: Sequence[int]) -> list[Entry]:
+        """Fresh entries for ``keys``, pushed one after another in that order."""
+        seq = self._seq
+        self._seq = seq + len(keys)
+        return list(
+            zip(
+                map(neg, map(self._expiry.get, keys, repeat(math.inf))),
+                map(neg, map(self._depths.get, keys, repeat(0))),
+                range(-seq - 1, -seq - 1 - len(keys), -1),
+                keys,
+                strict=True,
+            )
+        )
 
     def _push(self, key: int) -> None:
         seq = self._seq = self._seq + 1
-        entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
+        entry = (-self._expiry.get(key, math.inf), -self._depths.get(key, 0), -seq, key)
         self._live[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
-        if len(self._heap) > 4 * len(self._live) + 64:
+        fresh = self._fresh
+        fresh.append(entry)
+        if len(fresh) > 2 * len(self._live) + 64:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop the waiting entries a later push superseded (a class seldom evicted from)."""
+        live = self._live
+        self._fresh = [e for e in self._fresh if live.get(e[3]) is e]
+
+    def _flush(self) -> None:
+        """Put the waiting entries that are still live in the heap."""
+        live = self._live
+        entries = [e for e in self._fresh if live.get(e[3]) is e]
+        self._fresh = []
+        heap = self._heap
+        if len(entries) > len(heap):
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            deque(map(partial(heapq.heappush, heap), entries), maxlen=0)
+        if len(heap) > 4 * len(live) + 64:
             self._compact()
 
     def _compact(self) -> None:
         """Drop the stale entries (their pop order never mattered: they are skipped)."""
-        self._heap = [(*e, k) for k, e in self._live.items()]
+        self._heap = list(self._live.values())
+        self._fresh = []
         heapq.heapify(self._heap)
 
     def unpin_many(self, keys: Sequence[int]) -> None:
         held = self._held
+        if not held.issuperset(keys):
+            raise InternalInvariantError("unpin of a key that is not pinned")
+        before = len(held)
+        held.difference_update(keys)
+        if before - len(held) != len(keys):
+            raise InternalInvariantError("unpin of a key twice in one call")
+        self._push_many(keys)
+
+    def _push_many(self, keys: Sequence[int]) -> None:
+        """``_push(key)`` for each of ``keys`` in turn."""
+        entries = self._entries(keys)
         live = self._live
-        get = self._expiry.get
-        depth = self._depth
-        push = heapq.heappush
-        inf = math.inf
-        seq = self._seq
-        try:
+        live.update(zip(keys, entries, strict=True))
+        fresh = self._fresh
+        fresh.extend(entries)
+        if len(fresh) > 2 * len(live) + 64:
+            self._prune()
+
+    def join(self, keys: Iterable[int], pinned: Container[int]) -> None:
+        """Insert ``keys`` of size 1 one after another, the ones in ``pinned`` pinned."""
+        keys = list(keys)
+        self._held.update(filter(pinned.__contains__, keys))
+        self._push_many(list(filterfalse(pinned.__contains__, keys)))
+
+    def remove_many(self, keys: Sequence[int]) -> None:
+        """``remove(key)`` for each of ``keys``."""
+        if self._sizes:
             for key in keys:
-                if key not in held:
-                    raise InternalInvariantError(f"unpin of key {key:#x} that is not pinned")
-                held.remove(key)
-                seq += 1
-                entry = (-get(key, inf), -depth(key), -seq)
-                live[key] = entry
-                push(self._heap, (*entry, key))
-        finally:
-            self._seq = seq
-            if len(self._heap) > 4 * len(live) + 64:
-                self._compact()
+                self.remove(key)
+            return
+        deque(map(self._live.pop, keys, repeat(None)), maxlen=0)
+        self._held.difference_update(keys)
 
     def pin_many(self, keys: Sequence[int]) -> None:
-        pop = self._live.pop
-        add = self._held.add
-        for key in keys:
-            if pop(key, None) is None:
-                raise InternalInvariantError(f"pin of key {key:#x} that is not evictable")
-            add(key)
+        live = self._live
+        try:
+            deque(map(live.pop, keys), maxlen=0)
+        except KeyError as exc:
+            raise InternalInvariantError(f"pin of key {exc} that is not evictable") from None
+        self._held.update(keys)
+
+    def hold_many(self, keys: Iterable[int]) -> None:
+        """Insert ``keys`` (of size 1) pinned: ``insert(key, True)`` for each."""
+        self._held.update(keys)
 
     def _pinned_keys(self) -> Iterable[int]:
         return self._held
@@ -155,26 +233,12 @@ class ByReturn(PolicyBase):
             self._record_size(key, size)
         if pinned:
             self._held.add(key)
-            return
-        # _push, inline: every key that joins the class unpinned comes here.
-        seq = self._seq = self._seq + 1
-        entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
-        self._live[key] = entry
-        heap = self._heap
-        heapq.heappush(heap, (*entry, key))
-        if len(heap) > 4 * len(self._live) + 64:
-            self._compact()
+        else:
+            self._push(key)
 
     def access(self, key: int) -> None:
-        live = self._live
-        if key in live:
-            seq = self._seq = self._seq + 1
-            entry = (-self._expiry.get(key, math.inf), -self._depth(key), -seq)
-            live[key] = entry
-            heap = self._heap
-            heapq.heappush(heap, (*entry, key))
-            if len(heap) > 4 * len(live) + 64:
-                self._compact()
+        if key in self._live:
+            self._push(key)
 
     def pin(self, key: int) -> None:
         if self._live.pop(key, None) is None:
@@ -197,10 +261,13 @@ class ByReturn(PolicyBase):
             self._forget_size(key)
 
     def evict(self) -> int | None:
+        if self._fresh:
+            self._flush()
         heap, live = self._heap, self._live
         while heap:
-            neg_until, neg_depth, neg_seq, key = heapq.heappop(heap)
-            if live.get(key) == (neg_until, neg_depth, neg_seq):
+            entry = heapq.heappop(heap)
+            key = entry[3]
+            if live.get(key) is entry:
                 del live[key]
                 if self._sizes:
                     self._forget_size(key)
@@ -208,12 +275,15 @@ class ByReturn(PolicyBase):
         return None
 
     def evict_many(self, n: int) -> list[int]:
+        if self._fresh:
+            self._flush()
         heap, live = self._heap, self._live
         pop = heapq.heappop
         out: list[int] = []
         while heap and len(out) < n:
-            neg_until, neg_depth, neg_seq, key = pop(heap)
-            if live.get(key) == (neg_until, neg_depth, neg_seq):
+            entry = pop(heap)
+            key = entry[3]
+            if live.get(key) is entry:
                 del live[key]
                 out.append(key)
         if self._sizes:
@@ -232,4 +302,5 @@ class ByReturn(PolicyBase):
         return len(self._live)
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self._state(), "order": sorted(self._live.items()), "pinned": sorted(self._held)}
+        order = sorted((k, e[:3]) for k, e in self._live.items())
+        return {**self._state(), "order": order, "pinned": sorted(self._held)}
