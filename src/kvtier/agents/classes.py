@@ -13,7 +13,8 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import compress, repeat
+from functools import cache
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from kvtier.agents.graph import FAR
@@ -34,13 +35,38 @@ from kvtier.agents.tracker import WorkflowTracker
 from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.guard import LRUGuard
 
+#: A class call a batch decided: ``(key, old, new)`` moves ``key`` from class ``old``
+#: to class ``new``; ``(key, rank, rank)`` re-sorts it in its class (``access``).
+Op = tuple[int, int, int]
+#: What an :data:`Op` asks of one class: ``(REMOVE | INSERT | ACCESS, key)``.
+Call = tuple[int, int]
+REMOVE, INSERT, ACCESS = 0, 1, 2
 
-def _groups(keys: list[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
+
+@cache
+def _unowned(shared: bool, reuse: str | None) -> tuple[int, int]:
+    """The class of an unprotected key whose tag names no agent, without and with a TTL."""
+    if reuse == "never":
+        return NEVER, NEVER
+    # A shared prefix's pin ends when its last user is due, but it is due when its
+    # first one is: it ranks as a shared prefix, above every wait.
+    plain = keep_rank(FAR - 1 if reuse == "likely" else FAR, shared)
+    return plain, plain if shared else WAITING
+
+
+def _groups(keys: Sequence[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
     """``keys`` grouped by their ``ranks`` (order kept within each), in order of first key."""
     first = ranks[0]
     if ranks.count(first) == len(ranks):
-        return [(first, keys)]
-    return [(rank, list(compress(keys, map(rank.__eq__, ranks)))) for rank in dict.fromkeys(ranks)]
+        return [(first, list(keys))]
+    groups: dict[int, list[int]] = {}
+    for key, rank in zip(keys, ranks, strict=True):
+        group = groups.get(rank)
+        if group is None:
+            groups[rank] = [key]
+        else:
+            group.append(key)
+    return list(groups.items())
 
 
 class RankClasses:
@@ -120,24 +146,23 @@ class RankClasses:
         """The class of an unprotected key tagged ``tag``; ``ttl``: a TTL pins it."""
         if tag is None:
             return WAITING if ttl else DEFAULT
+        owners = tag.owners
+        if not owners:
+            return _unowned(tag.shared, tag.reuse)[ttl]
         reuse = tag.reuse
         if reuse == "never":
             return NEVER
         if ttl and not tag.shared:
-            # A shared prefix's pin ends when its last user is due, but it is due
-            # when its first one is: it ranks as a shared prefix, above every wait.
             return WAITING
         d = FAR
-        owners = tag.owners
-        if owners:
-            dists = self._dists
-            for wid, aid in owners:
-                table = dists.get(wid)
-                if table is None:
-                    table = self._distances(wid)
-                x = table.get(aid, FAR)
-                if x < d:
-                    d = x
+        dists = self._dists
+        for wid, aid in owners:
+            table = dists.get(wid)
+            if table is None:
+                table = self._distances(wid)
+            x = table.get(aid, FAR)
+            if x < d:
+                d = x
         if d >= FAR and reuse == "likely":
             d = FAR - 1
         # keep_rank, inline: this runs for every hinted block a request touches.
@@ -149,7 +174,12 @@ class RankClasses:
         """:meth:`_rank` of each of ``keys``, looking at each distinct tag once."""
         found = list(map(self._tags.get, keys))
         tag_rank = self._tag_rank
-        of_tag = {t: (tag_rank(t, False), tag_rank(t, True)) for t in set(found)}
+        of_tag = {
+            t: _unowned(t.shared, t.reuse)
+            if t is not None and not t.owners
+            else (tag_rank(t, False), tag_rank(t, True))
+            for t in set(found)
+        }
         protected = self._protected
         expiry = self._expiry
         return [
@@ -204,56 +234,68 @@ class RankClasses:
             return
         if len(keys) > 1:
             keys = list(dict.fromkeys(keys))
-        olds = list(map(self._class_of.get, keys, repeat(DEFAULT)))
+        olds = map(self._class_of.get, keys, repeat(DEFAULT))
         news = self._ranks_of(keys)
-        moving = list(map(int.__ne__, olds, news))
-        if any(moving):
-            self._shift_many(
-                list(compress(keys, moving)),
-                list(compress(olds, moving)),
-                list(compress(news, moving)),
-            )
+        self._shift_many([op for op in zip(keys, olds, news, strict=True) if op[1] != op[2]])
 
-    def _shift_many(self, keys: list[int], olds: list[int], news: list[int]) -> None:
-        """:meth:`_shift` of each of ``keys`` from ``olds[i]`` to ``news[i]``, in turn.
+    def _shift_many(self, ops: list[Op]) -> None:
+        """:meth:`_shift` of ``key`` from class ``old`` to ``new`` for each ``(key, old,
+        new)`` in turn (the keys are distinct)."""
+        if not ops:
+            return
+        class_of = self._class_of
+        for key, _, new in ops:
+            if new == DEFAULT:
+                del class_of[key]
+            else:
+                class_of[key] = new
+        self._replay(ops)
 
-        The keys are distinct. Where every key has size 1 and every class
-        involved is a hint-ranked one, each class is left and joined in one
-        batch: those orders only append, so an insert lands where it would have
-        whatever other classes did in between.
+    def _replay(self, ops: list[Op]) -> None:
+        """Make the class calls ``ops`` name, in turn (``_class_of`` names each key's last
+        class already).
+
+        Each class only sees its own calls, so each takes them in one go, in
+        their order; the hint-ranked classes of keys of size 1 settle them at
+        once (a key re-sorted twice is pushed once, with the later turn).
         """
-        if not keys:
+        if not ops:
             return
+        calls: dict[int, list[Call]] = {}
+        for key, old, new in ops:
+            if old == new:
+                calls.setdefault(old, []).append((ACCESS, key))
+            else:
+                calls.setdefault(old, []).append((REMOVE, key))
+                calls.setdefault(new, []).append((INSERT, key))
         classes = self._classes
-        table = self._size_table
-        if table is not None and not table:
-            for rank in news:
-                if rank not in classes:
-                    self._cls(rank)
-            ranks = dict.fromkeys(olds)
-            ranks.update(dict.fromkeys(news))
-            batch = all(isinstance(classes[r], ByReturn | TailFirstLRU) for r in ranks)
-        else:
-            batch = False
-        if not batch:
-            for key, old, new in zip(keys, olds, news, strict=True):
-                self._shift(key, old, new)
-            return
-        for rank, group in _groups(keys, olds):
-            c = classes[rank]
-            assert isinstance(c, ByReturn | TailFirstLRU)
-            c.remove_many(group)
         pinned = self._pinned
-        for rank, group in _groups(keys, news):
-            c = classes[rank]
-            assert isinstance(c, ByReturn | TailFirstLRU)
-            c.join(group, pinned)
-        # Hint-ranked classes only: no key went to the fallback's.
-        self._class_of.update(zip(keys, news, strict=True))
+        table = self._size_table
+        ones = table is not None and not table
+        for rank, todo in calls.items():
+            c = classes.get(rank)
+            if c is None:
+                c = self._cls(rank)
+            if ones and isinstance(c, ByReturn | TailFirstLRU):
+                c.replay(todo, pinned)
+                continue
+            for kind, key in todo:
+                if kind == ACCESS:
+                    c.access(key)
+                elif kind == REMOVE:
+                    c.remove(key)
+                else:
+                    size = self._size(key) if table is None else table.get(key, 1) if table else 1
+                    c.insert(key, key in pinned, size)
 
     def _on_workflow(self, workflow_id: str) -> None:
-        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
-        self._dists.pop(workflow_id, None)
+        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks.
+
+        An agent whose distance did not change keeps its blocks where they are,
+        unless another agent owns one of them too.
+        """
+        # The distances its blocks were ranked by (None: not known).
+        previous = self._dists.pop(workflow_id, None)
         state = self.tracker.get(workflow_id)
         if state is None:
             self._tagged.pop(workflow_id, None)
@@ -288,6 +330,12 @@ class RankClasses:
             if not keys:
                 continue
             distance = dists.get(aid, FAR)
+            if (
+                previous is not None
+                and previous.get(aid, FAR) == distance
+                and all(t is not None and t.owners == [owner] for t in set(map(tags.get, keys)))
+            ):
+                continue  # every key's rank reads this agent's distance alone: none moves
             # Tail first: the class then evicts the chain's tail first, as it would have.
             for key in reversed(keys):
                 old = class_of.get(key, DEFAULT)
@@ -340,17 +388,12 @@ class RankClasses:
         class_of = self._class_of
         if not class_of:
             return [(classes[DEFAULT], keys)]
-        ranks = list(map(class_of.get, keys, repeat(DEFAULT)))
-        if not ranks:
+        if not keys:
             return []
-        first = ranks[0]
-        if ranks.count(first) == len(ranks):
-            return [(classes[first], keys)]  # one class: the usual case
-        # One pass at C speed per class: a request's keys span a few classes only.
-        return [
-            (classes[rank], list(compress(keys, map(rank.__eq__, ranks))))
-            for rank in dict.fromkeys(ranks)
-        ]
+        groups = _groups(keys, list(map(class_of.get, keys, repeat(DEFAULT))))
+        if len(groups) == 1:
+            return [(classes[groups[0][0]], keys)]  # one class: the usual case
+        return [(classes[rank], group) for rank, group in groups]
 
     def evictable_due_after(self, distance: int) -> int:
         """Evictable size units of blocks due later than ``distance`` steps (or never).

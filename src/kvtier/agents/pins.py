@@ -23,11 +23,13 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, repeat
-from operator import neg
+from functools import partial
+from itertools import compress, islice, repeat
+from operator import lt, neg
 from typing import TYPE_CHECKING
 
-from kvtier.agents.ranks import DEFAULT, ByReturn
+from kvtier.agents.classes import Op
+from kvtier.agents.ranks import DEFAULT, TIMED
 from kvtier.agents.sessions import Session
 from kvtier.agents.tags import Tag
 from kvtier.policy.base import EvictionPolicy
@@ -36,6 +38,11 @@ from kvtier.policy.base import EvictionPolicy
 Pair = tuple[int, int]
 #: Above any sequence number :class:`LatestPins` gives an entry.
 _AFTER = 1 << 62
+
+
+def _successive(items: list[Pair]) -> tuple[list[Pair], list[Pair]]:
+    """``items`` without its last and without its first: the pairs of neighbours."""
+    return items[:-1], items[1:]
 
 
 class EndQueue:
@@ -179,6 +186,10 @@ class TtlPins:
     #: the key's protection are stale and skipped.
     _latest: LatestPins
     _protected_used: int
+    #: Resident keys whose depth changed since they joined (first tagged while
+    #: resident): their entry in the order of protections may carry the old one
+    #: until a rebuild, so when a rebuild happens matters while there are any.
+    _redepth: set[int]
     #: Ended sessions' own keys, for the tiers to free (when ``collect_released``).
     _released: list[int]
     collect_released: bool
@@ -203,9 +214,11 @@ class TtlPins:
 
         def _ranks_of(self, keys: Sequence[int]) -> list[int]: ...
 
-        def _shift_many(self, keys: list[int], olds: list[int], news: list[int]) -> None: ...
+        def _shift_many(self, ops: list[Op]) -> None: ...
 
         def _move_many(self, keys: list[int]) -> None: ...
+
+        def _replay(self, ops: list[Op]) -> None: ...
 
     @property
     def pin_cap(self) -> int:
@@ -261,41 +274,86 @@ class TtlPins:
 
     def _repin(self, keys: list[int], neg_depths: list[int], at: list[int], until: float) -> None:
         """The resident ``keys[i]`` for ``i`` in ``at``, pinned until ``until`` now: protect
-        them (or move their protection), and re-sort those their class orders by pin end."""
-        classes = self._classes
+        them (or move their protection), and re-sort those their class orders by pin end.
+
+        Protections are settled key after key as :meth:`_pin_state` would; the
+        class calls that go with them (a key that changes class, a key re-sorted)
+        are written down in turn and carried out together at the end, since
+        nothing here reads the classes' orders (``_class_of`` is kept current).
+        """
         class_of = self._class_of
         protected = self._protected
-        ahead = until > self._now
+        latest = self._latest
+        now = self._now
+        ahead = until > now
         table = self._size_table
-        pin_state = self._pin_state
+        cap = int(self.pin_fraction * self.capacity)  # pin_cap
         rank_of = self._rank
-        shift = self._shift
+        used = self._protected_used
+        ops: list[Op] = []
         # Protected keys whose pin only moves, pushed as one batch before anything
         # else reads the order of protections.
         moved: list[Pair] = []
         for i in at:
             key = keys[i]
-            if ahead and key in protected:
-                # _pin_state for a key protected already, inline (a session's
-                # every turn re-pins its whole chain): the pin only moves.
-                size = self._size(key) if table is None else table.get(key, 1) if table else 1
-                protected[key] = (until, size)
-                moved.append((neg_depths[i], key))
-            else:
+            size = self._size(key) if table is None else table.get(key, 1) if table else 1
+            if key in protected:
+                if ahead:
+                    # A key protected already (a session's every turn re-pins its
+                    # whole chain): the pin only moves.
+                    protected[key] = (until, size)
+                    moved.append((neg_depths[i], key))
+                    rank = class_of.get(key, DEFAULT)
+                    if rank in TIMED:
+                        ops.append((key, rank, rank))  # its pin ends at another time now
+                    continue
+                # Pinned until the past: its protection stays as it was.
+            elif ahead:
                 if moved:
-                    self._latest.push_many(until, moved)
+                    latest.push_many(until, moved)
                     moved = []
-                # _protect, inline.
-                if pin_state(key, until):
-                    was = class_of.get(key, DEFAULT)
-                    rank = rank_of(key)
-                    if rank != was:
-                        shift(key, was, rank)
-            c = classes.get(class_of.get(key, DEFAULT))
-            if isinstance(c, ByReturn):
-                c.access(key)  # its pin ends at another time now: re-sort it
+                # _pin_state, inline: past the cap the pin that ends latest yields.
+                if size <= cap:
+                    while used + size > cap:
+                        end, victim = latest.top()
+                        entry = protected.get(victim)
+                        if entry is None or entry[0] != end:
+                            latest.pop()  # stale
+                            continue
+                        if end < until:
+                            break  # every current pin ends sooner than this one: it waits
+                        latest.pop()
+                        del protected[victim]
+                        used -= entry[1]
+                        was = class_of.get(victim, DEFAULT)
+                        rank = rank_of(victim)
+                        if rank != was:
+                            ops.append((victim, was, rank))
+                            if rank == DEFAULT:
+                                del class_of[victim]
+                            else:
+                                class_of[victim] = rank
+                    else:
+                        protected[key] = (until, size)
+                        latest.push(until, neg_depths[i], key)
+                        used += size
+                        if latest.size > 4 * len(protected) + 64:
+                            self._rebuild_latest()
+                was = class_of.get(key, DEFAULT)
+                rank = rank_of(key)
+                if rank != was:
+                    ops.append((key, was, rank))
+                    if rank == DEFAULT:
+                        del class_of[key]
+                    else:
+                        class_of[key] = rank
+            rank = class_of.get(key, DEFAULT)
+            if rank in TIMED:
+                ops.append((key, rank, rank))  # its pin ends at another time now: re-sort it
         if moved:
-            self._latest.push_many(until, moved)
+            latest.push_many(until, moved)
+        self._protected_used = used
+        self._replay(ops)
 
     def _protect(self, key: int, until: float) -> None:
         if self._pin_state(key, until):
@@ -346,9 +404,15 @@ class TtlPins:
         latest.push(until, neg_depth, key)
         self._protected_used += size
         if latest.size > 4 * len(protected) + 64:
-            depth = self._depth
-            latest.rebuild((u, -depth(k), k) for k, (u, _) in protected.items())
+            self._rebuild_latest()
         return True
+
+    def _rebuild_latest(self) -> None:
+        """The order of protections without its stale entries, each key at its depth now."""
+        depth = self._depth_of.get
+        self._latest.rebuild((u, -depth(k, 0), k) for k, (u, _) in self._protected.items())
+        # Every entry has the depth its key has now.
+        self._redepth.clear()
 
     def _protect_new(self, keys: list[int]) -> None:
         """:meth:`_pin_state` for each of ``keys`` that is pinned until later than now, in
@@ -361,33 +425,24 @@ class TtlPins:
         cap = int(self.pin_fraction * self.capacity)  # pin_cap
         if cap < 1:
             return
-        expiry = self._expiry
-        run = [k for k in keys if expiry.get(k, now) > now]
+        untils = list(map(self._expiry.get, keys, repeat(now)))
+        mask = list(map(partial(lt, now), untils))
+        run = list(compress(keys, mask))
         if not run:
             return
-        ends = set(map(expiry.__getitem__, run))
+        ends = set(compress(untils, mask))
         nds = list(map(neg, map(self._depth_of.get, run, repeat(0))))
-        pairs = list(zip(nds, run, strict=True))
-        if len(ends) == 1 and all(map(tuple.__lt__, pairs, pairs[1:])):
-            (until,) = ends
-            yielded = self._protect_run(run, nds, until)
+        if len(ends) == 1 and (
+            all(map(int.__lt__, nds, islice(nds, 1, None)))
+            or all(map(tuple.__lt__, *_successive(list(zip(nds, run, strict=True)))))
+        ):
+            yielded = self._protect_run(run, nds, ends.pop())
         else:
             yielded = self._protect_each(run)
         if yielded:
-            class_of = self._class_of
-            olds = list(map(class_of.get, yielded, repeat(DEFAULT)))
-            news = self._ranks_of(yielded)
-            moving = list(map(int.__ne__, olds, news))
-            self._shift_many(
-                list(compress(yielded, moving)),
-                list(compress(olds, moving)),
-                list(compress(news, moving)),
-            )
-        latest = self._latest
-        protected = self._protected
-        if latest.size > 4 * len(protected) + 64:
-            depth = self._depth_of.get
-            latest.rebuild((u, -depth(k, 0), k) for k, (u, _) in protected.items())
+            self._move_many(yielded)
+        if self._latest.size > 4 * len(self._protected) + 64:
+            self._rebuild_latest()
 
     def _protect_run(self, run: list[int], nds: list[int], until: float) -> list[int]:
         """:meth:`_protect_each` for keys pinned until the same ``until``, in ascending

@@ -45,13 +45,13 @@ join it in one batch.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import compress
+from itertools import compress, repeat
 from operator import not_
 from typing import Any, ClassVar
 
-from kvtier.agents.classes import RankClasses
+from kvtier.agents.classes import RankClasses, _groups
 from kvtier.agents.pins import EndQueue, LatestPins, TtlPins
 from kvtier.agents.ranks import DEFAULT, WAITING, ByReturn, TailFirstLRU
 from kvtier.agents.sessions import SessionBook
@@ -137,6 +137,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         # The keys' hints (kvtier.agents.tags).
         self._tags: OrderedDict[int, Tag] = OrderedDict()
         self._depth_of: dict[int, int] = {}
+        self._redepth: set[int] = set()
         self._history = 1024
         self._by_agent: dict[tuple[str, str], dict[int, None]] = {}
         self._by_workflow: dict[str, dict[str, None]] = {}
@@ -242,10 +243,10 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         if prefix:
             inside = [i for i, k in enumerate(keys) if k in prefix]
             self._tag_keys([keys[i] for i in inside], owner, session, shared=True, depths=inside)
-            at = [i for i, k in enumerate(keys) if k not in prefix]
+            at: Sequence[int] = [i for i, k in enumerate(keys) if k not in prefix]
             rest = [keys[i] for i in at]
         else:
-            at = list(range(len(keys)))
+            at = range(len(keys))
             rest = list(keys)
         # reuse speaks for the request's own new blocks, never for ones others use.
         self._tag_keys(rest[:num_hit], owner, session, depths=at[:num_hit])
@@ -315,16 +316,14 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
 
     def admit(self, key: int) -> bool:
         g = self._global
-        if key not in self._tags or not self._class_of:
-            return True if self._admits_all else g.admit(key)
-        guard = self.guard
-        if (guard is not None and guard.recency) or g.used < self.capacity:
-            return True if self._admits_all else g.admit(key)
-        rank = self._rank(key)
-        lowest = self._lowest_evictable()
-        if lowest is not None and rank < lowest:
-            self.bypassed += 1
-            return False
+        if key in self._tags and self._class_of:
+            guard = self.guard
+            if (guard is None or not guard.recency) and g.used >= self.capacity:
+                rank = self._rank(key)
+                lowest = self._lowest_evictable()
+                if lowest is not None and rank < lowest:
+                    self.bypassed += 1
+                    return False
         return True if self._admits_all else g.admit(key)
 
     def _place(self, key: int, pinned: bool, size: int) -> None:
@@ -369,29 +368,33 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         tags = self._tags
         expiry = self._expiry
         size_of = self._size
-        if not tags and expiry:
-            for key in keys:
-                self._place(key, pinned, 1 if sizes is None else size_of(key))
-            return
+        if not tags:
+            if expiry:
+                for key in keys:
+                    self._place(key, pinned, 1 if sizes is None else size_of(key))
+                return
+            if sizes is None and type(default := self._cls(DEFAULT)) is LRUPolicy:
+                default.insert_many(keys, pinned)  # no hints: the fallback's, as one each
+                return
         # A key neither hinted nor pinned by a TTL is in the fallback's class (never
         # protected: protection needs an expiry); it goes there at once, in chain
         # order, one insert each as _place would. The hint-ranked ones go tail first.
-        hinted = [key in tags or key in expiry for key in keys]
-        if not all(hinted):
-            rest = list(compress(keys, map(not_, hinted)))
-            default = self._cls(DEFAULT)
-            if sizes is None and type(default) is LRUPolicy:
-                default.insert_many(rest, pinned)  # the same as one insert each
-            else:
-                for key in rest:
-                    default.insert(key, pinned, 1 if sizes is None else size_of(key))
-            later = list(compress(keys, hinted))
-            if not later:
-                return
+        if all(map(tags.__contains__, keys)):
+            later = list(keys)  # the usual case: every key was hinted on its request
         else:
-            later = list(keys)
-        owned = {t for t in map(tags.get, later) if t is not None and t.owners}
-        if owned:
+            hinted = [key in tags or key in expiry for key in keys]
+            later = list(compress(keys, hinted))
+            if len(later) < len(keys):
+                rest = list(compress(keys, map(not_, hinted)))
+                default = self._cls(DEFAULT)
+                if sizes is None and type(default) is LRUPolicy:
+                    default.insert_many(rest, pinned)  # the same as one insert each
+                else:
+                    for key in rest:
+                        default.insert(key, pinned, 1 if sizes is None else size_of(key))
+                if not later:
+                    return
+        if any(t is not None and t.owners for t in set(map(tags.get, later))):
             by_agent = self._by_agent
             by_workflow = self._by_workflow
             for key in later:  # each agent's keys indexed in chain order
@@ -410,7 +413,9 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
             for key in later:
                 place(key, pinned, 1 if sizes is None else size_of(key))
             return
-        if pinned and sizes is None:
+        if pinned and sizes is None and not self._redepth:
+            # (A key whose depth changed makes when the order of protections is
+            # rebuilt matter: the batch below rebuilds it at its end only.)
             self._hold_new(later)
             return
         # _place_indexed, inline.
@@ -515,6 +520,7 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         self._class_of.pop(key, None)
         self._resident.discard(key)
         self._pinned.discard(key)
+        self._redepth.discard(key)
         entry = self._protected.pop(key, None)
         if entry is not None:
             self._protected_used -= entry[1]
@@ -522,48 +528,59 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
         if tag is not None and tag.owners:
             self._unindex_owners(key, tag.owners)
 
-    def _forget_all(self, victims: Iterable[int]) -> None:
+    def _forget_all(self, victims: list[int]) -> None:
         """:meth:`_forget` for each of ``victims``."""
-        class_pop = self._class_of.pop
-        pinned = self._pinned
-        protected = self._protected
-        tags = self._tags
-        unindex = self._unindex_owners
+        deque(map(self._class_of.pop, victims, repeat(None)), maxlen=0)
         self._resident.difference_update(victims)
-        for key in victims:
-            class_pop(key, None)
-            if key in pinned:
-                pinned.remove(key)
-            if key in protected:
+        self._pinned.difference_update(victims)
+        if self._redepth:
+            self._redepth.difference_update(victims)
+        protected = self._protected
+        if protected:
+            for key in [k for k in victims if k in protected]:
                 self._protected_used -= protected.pop(key)[1]
-            tag = tags.get(key)
-            if tag is not None and tag.owners:
-                unindex(key, tag.owners)
+        tags = self._tags
+        found = list(map(tags.get, victims))
+        if any(t is not None and t.owners for t in set(found)):
+            unindex = self._unindex_owners
+            for key, tag in zip(victims, found, strict=True):
+                if tag is not None and tag.owners:
+                    unindex(key, tag.owners)
 
     def remove(self, key: int) -> None:
-        if key not in self._resident:
+        resident = self._resident
+        if key not in resident:
             return
-        rank = self._class_of.get(key, DEFAULT)
+        rank = self._class_of.pop(key, DEFAULT)
         self._global.remove(key)
         self._classes[rank].remove(key)
-        self._forget(key)
+        # _forget, inline: the owner drops keys one by one, a whole subtree at a time.
+        resident.remove(key)
+        self._pinned.discard(key)
+        self._redepth.discard(key)
+        entry = self._protected.pop(key, None)
+        if entry is not None:
+            self._protected_used -= entry[1]
+        tag = self._tags.get(key)
+        if tag is not None and tag.owners:
+            self._unindex_owners(key, tag.owners)
 
     def _recency(self) -> bool:
         return not self._class_of or (self.guard is not None and self.guard.recency)
 
     def _take_global(self, victims: list[int]) -> list[int]:
         """Victims the global order chose: leave their classes too."""
-        classes = self._classes
-        class_of = self._class_of
-        for key in victims:
-            classes[class_of.get(key, DEFAULT)].remove(key)
-        self._forget_all(victims)
+        if victims:
+            classes = self._classes
+            ranks = list(map(self._class_of.get, victims, repeat(DEFAULT)))
+            # Each class leaves its keys in the order chosen; classes are independent.
+            for rank, group in _groups(victims, ranks):
+                deque(map(classes[rank].remove, group), maxlen=0)
+            self._forget_all(victims)
         return victims
 
     def _take_class(self, victims: list[int]) -> list[int]:
-        remove = self._global.remove
-        for key in victims:
-            remove(key)
+        deque(map(self._global.remove, victims), maxlen=0)
         self._forget_all(victims)
         return victims
 

@@ -41,6 +41,8 @@ TIMED = frozenset((WAITING, PINNED))
 MAX_OWNERS = 8
 #: A :class:`ByReturn` heap entry: ``(-until, -depth, -seq, key)``.
 Entry = tuple[float, int, int, int]
+#: Not in a dict (a key's value there may be None).
+_ABSENT = object()
 
 
 def keep_rank(distance: int, shared: bool) -> int:
@@ -84,14 +86,22 @@ class TailFirstLRU(LRUPolicy):
         """Insert ``keys`` (of size 1) pinned: ``insert(key, True)`` for each."""
         self._pinned.update(keys)
 
-    def remove_many(self, keys: Sequence[int]) -> None:
-        """``remove(key)`` for each of ``keys``."""
-        if self._sizes:
-            for key in keys:
-                self.remove(key)
-            return
-        deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
-        self._pinned.difference_update(keys)
+    def replay(self, calls: Iterable[tuple[int, int]], pinned: Container[int]) -> None:
+        """``remove(key)`` (0), ``insert(key, key in pinned)`` (1) or ``access(key)`` (2)
+        for each ``(call, key)`` in turn: keys of size 1."""
+        order = self._order
+        held = self._pinned
+        for kind, key in calls:
+            if kind == 2:
+                if key in order:
+                    order.move_to_end(key)
+            elif kind == 1:
+                if key in pinned:
+                    held.add(key)
+                else:
+                    order[key] = None
+            elif order.pop(key, _ABSENT) is _ABSENT:
+                held.discard(key)
 
     def access_many(self, keys: Sequence[int]) -> None:
         order = self._order
@@ -148,9 +158,13 @@ class ByReturn(PolicyBase):
         seq = self._seq = self._seq + 1
         entry = (-self._expiry.get(key, math.inf), -self._depths.get(key, 0), -seq, key)
         self._live[key] = entry
+        self._wait((entry,))
+
+    def _wait(self, entries: Iterable[Entry]) -> None:
+        """New entries wait for the heap (see the class docstring)."""
         fresh = self._fresh
-        fresh.append(entry)
-        if len(fresh) > 2 * len(self._live) + 64:
+        fresh.extend(entries)
+        if len(fresh) > 4 * len(self._live) + 256:
             self._prune()
 
     def _prune(self) -> None:
@@ -193,25 +207,38 @@ class ByReturn(PolicyBase):
         entries = self._entries(keys)
         live = self._live
         live.update(zip(keys, entries, strict=True))
-        fresh = self._fresh
-        fresh.extend(entries)
-        if len(fresh) > 2 * len(live) + 64:
-            self._prune()
+        self._wait(entries)
 
-    def join(self, keys: Iterable[int], pinned: Container[int]) -> None:
-        """Insert ``keys`` of size 1 one after another, the ones in ``pinned`` pinned."""
-        keys = list(keys)
-        self._held.update(filter(pinned.__contains__, keys))
-        self._push_many(list(filterfalse(pinned.__contains__, keys)))
-
-    def remove_many(self, keys: Sequence[int]) -> None:
-        """``remove(key)`` for each of ``keys``."""
-        if self._sizes:
-            for key in keys:
-                self.remove(key)
-            return
-        deque(map(self._live.pop, keys, repeat(None)), maxlen=0)
-        self._held.difference_update(keys)
+    def replay(self, calls: Iterable[tuple[int, int]], pinned: Container[int]) -> None:
+        """``remove(key)`` (0), ``insert(key, key in pinned)`` (1) or ``access(key)`` (2)
+        for each ``(call, key)`` in turn: keys of size 1. Only each key's last push
+        makes an entry (the earlier ones would be stale before anyone looked)."""
+        live = self._live
+        held = self._held
+        pushed: dict[int, int] = {}
+        seq = self._seq
+        for kind, key in calls:
+            if kind == 2:
+                if key in live or key in pushed:
+                    seq += 1
+                    pushed[key] = seq
+            elif kind == 1:
+                if key in pinned:
+                    held.add(key)
+                else:
+                    seq += 1
+                    pushed[key] = seq
+            else:
+                pushed.pop(key, None)
+                if live.pop(key, None) is None:
+                    held.discard(key)
+        self._seq = seq
+        if pushed:
+            get, depth = self._expiry.get, self._depths.get
+            inf = math.inf
+            entries = [(-get(k, inf), -depth(k, 0), -q, k) for k, q in pushed.items()]
+            live.update(zip(pushed, entries, strict=True))
+            self._wait(entries)
 
     def pin_many(self, keys: Sequence[int]) -> None:
         live = self._live

@@ -99,6 +99,8 @@ class HintTags:
     _history: int
     #: Every resident key.
     _resident: set[int]
+    #: Resident keys first tagged while resident (their depth changed).
+    _redepth: set[int]
     #: (workflow, agent) -> resident keys it owns, in chain order (moves keep it).
     _by_agent: dict[Owner, dict[int, None]]
     #: workflow -> its agents seen so far, in first-seen order (a dict, not a set: the
@@ -191,23 +193,36 @@ class HintTags:
             else:
                 changes[tag] = _change(tag, owner, session, shared, reuse)
         moved: list[int] = []
+        resident = self._resident
+        at = range(len(keys)) if depths is None else depths
+        if fresh is not None and not changes:
+            # Every key is new (the usual second half of a request): appended in order,
+            # they are the most recent already.
+            self._depth_of.update(zip(keys, at, strict=True))
+            tags.update(zip(keys, repeat(fresh)))
+            if not resident.isdisjoint(keys):
+                moved = [k for k in keys if k in resident]
+                self._redepth.update(moved)
+                if owner is not None:
+                    for key in moved:
+                        self._index_owner(key, owner, True)
+            return moved
         if fresh is not None:
             is_new = [t is None for t in found]
             new = list(compress(keys, is_new))
-            at = range(len(keys)) if depths is None else depths
             self._depth_of.update(zip(new, compress(at, is_new), strict=True))
             tags.update(zip(new, repeat(fresh)))
         # Every key to the most recent end, in order (the new ones were appended).
         deque(map(tags.move_to_end, keys), maxlen=0)
-        if fresh is None and not any(changes.values()):
+        if not any(changes.values()) and (fresh is None or resident.isdisjoint(new)):
             return moved  # the usual case: nothing changes
-        resident = self._resident
         for key, tag in zip(keys, found, strict=True):
             if tag is None:
                 if key in resident:
                     if owner is not None:
                         self._index_owner(key, owner, True)
                     moved.append(key)
+                    self._redepth.add(key)
                 continue
             change = changes[tag]
             if change is None:
@@ -250,6 +265,7 @@ class HintTags:
                     if owner is not None:
                         self._index_owner(key, owner, True)
                     moved.append(key)
+                    self._redepth.add(key)
                 continue
             tags.move_to_end(key)
             if tag in changes:
