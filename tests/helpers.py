@@ -1,4 +1,4 @@
-"""Shared test helpers: snapshots of manager state for rollback checks."""
+"""Shared test helpers: snapshots of manager state for rollback checks; agent hints."""
 
 from __future__ import annotations
 
@@ -95,3 +95,27 @@ class InsertionOrderPolicy(PolicyBase):
     @property
     def num_evictable(self) -> int:
         return self._evictable
+
+
+def agent_hints(
+    agent: str | None,
+    step: int,
+    session: str | None,
+    ttl: float | None,
+    reuse: str | None,
+    end: bool,
+) -> dict[str, object]:
+    """The hints of a request of ``agent`` (of workflow ``"w"``, at ``step``) in
+    ``session`` (``end``: its last), with ``cache_ttl_s`` and ``reuse``; any may be None."""
+    hints: dict[str, object] = {}
+    if agent is not None:
+        hints.update(workflow_id="w", agent_id=agent, step=step)
+    if session is not None:
+        hints["session_id"] = session
+        if end:
+            hints["session_end"] = True
+    if ttl is not None:
+        hints["cache_ttl_s"] = ttl
+    if reuse is not None:
+        hints["reuse"] = reuse
+    return hints

@@ -1,10 +1,10 @@
 """The workflow policy's batched orders decide exactly what one entry per key would.
 
-* :class:`~kvtier.agents.pins.LatestPins` (protected keys, latest end first)
+* :class:`~kvtier.agents.queues.LatestPins` (protected keys, latest end first)
   against a plain heap of ``(-until, -depth, key)``, one entry per key pushed:
   the same first entry and the same length after every push, batch push, pop
   and rebuild.
-* :class:`~kvtier.agents.pins.EndQueue` (pin ends, soonest first) against a
+* :class:`~kvtier.agents.queues.EndQueue` (pin ends, soonest first) against a
   plain heap of ``(until, -depth, key)``: every key pushed comes out once, in
   that heap's order, at the first ``due`` call whose time reaches its end.
 * :meth:`~kvtier.agents.ranks.TailFirstLRU.join` against one ``insert`` per key.
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.agents.pins import EndQueue, LatestPins
+from kvtier.agents.queues import EndQueue, LatestPins
 from kvtier.agents.ranks import TailFirstLRU
 
 UNTILS = st.sampled_from([1.0, 2.0, 2.5, 3.0, 7.0])

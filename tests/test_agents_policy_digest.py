@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from helpers import agent_hints
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -267,18 +268,8 @@ class RankMachine(RuleBasedStateMachine):
     ) -> None:  # fmt: skip
         # Chains from a few roots, so requests share prefixes as conversations do.
         keys = [base * 100 + i for i in range(length)]
-        hints: dict[str, object] = {}
-        if agent is not None:
-            hints.update(workflow_id="w", agent_id=agent, step=self.step)
-            self.step += 1
-        if session is not None:
-            hints["session_id"] = session
-            if end:
-                hints["session_end"] = True
-        if ttl is not None:
-            hints["cache_ttl_s"] = ttl
-        if reuse is not None:
-            hints["reuse"] = reuse
+        hints = agent_hints(agent, self.step, session, ttl, reuse, end)
+        self.step += agent is not None
         hit = 0
         while hit < len(keys) and keys[hit] in self.resident:
             hit += 1

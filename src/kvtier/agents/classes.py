@@ -54,7 +54,7 @@ def _unowned(shared: bool, reuse: str | None) -> tuple[int, int]:
     return plain, plain if shared else WAITING
 
 
-def _groups(keys: Sequence[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
+def group_by(keys: Sequence[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
     """``keys`` grouped by their ``ranks`` (order kept within each), in order of first key."""
     first = ranks[0]
     if ranks.count(first) == len(ranks):
@@ -219,10 +219,14 @@ class RankClasses:
         if c is None:
             c = self._cls(new)
         c.insert(key, key in self._pinned, size)
-        if new == DEFAULT:
+        self._relabel(key, new)
+
+    def _relabel(self, key: int, rank: int) -> None:
+        """Say that ``key`` is in class ``rank`` now."""
+        if rank == DEFAULT:
             del self._class_of[key]
         else:
-            self._class_of[key] = new
+            self._class_of[key] = rank
 
     def _move_many(self, keys: list[int]) -> None:
         """:meth:`_move` of each of ``keys`` in turn, a key named twice moved the first time.
@@ -243,12 +247,9 @@ class RankClasses:
         new)`` in turn (the keys are distinct)."""
         if not ops:
             return
-        class_of = self._class_of
+        relabel = self._relabel
         for key, _, new in ops:
-            if new == DEFAULT:
-                del class_of[key]
-            else:
-                class_of[key] = new
+            relabel(key, new)
         self._replay(ops)
 
     def _replay(self, ops: list[Op]) -> None:
@@ -390,7 +391,7 @@ class RankClasses:
             return [(classes[DEFAULT], keys)]
         if not keys:
             return []
-        groups = _groups(keys, list(map(class_of.get, keys, repeat(DEFAULT))))
+        groups = group_by(keys, list(map(class_of.get, keys, repeat(DEFAULT))))
         if len(groups) == 1:
             return [(classes[groups[0][0]], keys)]  # one class: the usual case
         return [(classes[rank], group) for rank, group in groups]

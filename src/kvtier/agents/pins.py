@@ -1,20 +1,10 @@
-"""The workflow policy's TTL pin queues: when each pin ends, and which pin ends latest.
+"""The workflow policy's TTL pins: set, capped, released and expired.
 
-:class:`~kvtier.agents.policy.WorkflowPolicy` pins a request's blocks until
-its session is due back (``cache_ttl_s``). Two orders over those pins decide
-what it does:
-
-* :class:`EndQueue`: pins to expire, soonest first, and among pins that end
-  together the deepest block of a chain first, then the lowest key;
-* :class:`LatestPins`: protected blocks, the pin that ends latest first (it
-  yields when the pin cap is reached), then the deepest, then the lowest key.
-
-A session's every turn re-pins its whole chain until one new time, so both
-take a batch of keys that end together as one heap entry instead of one per
-key. Entries are never updated in place: the policy checks each key it is
-given against its own tables and skips keys whose pin moved since (stale).
-The order in which valid keys come out is exactly that of a heap holding one
-``(time, -depth, key)`` entry per pinned key.
+:class:`TtlPins` is the part of :class:`~kvtier.agents.policy.WorkflowPolicy`
+that pins a request's blocks until its session is due back
+(``cache_ttl_s``), protects the pins within the cap (the latest pins yield
+past it), and expires them on time; the two orders it keeps over its pins
+are in :mod:`kvtier.agents.queues`.
 """
 
 from __future__ import annotations
@@ -29,129 +19,11 @@ from operator import lt, neg
 from typing import TYPE_CHECKING
 
 from kvtier.agents.classes import Op
+from kvtier.agents.queues import AFTER, EndQueue, LatestPins, Pair, successive
 from kvtier.agents.ranks import DEFAULT, TIMED
 from kvtier.agents.sessions import Session
 from kvtier.agents.tags import Tag
 from kvtier.policy.base import EvictionPolicy
-
-#: ``(-depth, key)``: a pinned key and its place in its chain, as pushed.
-Pair = tuple[int, int]
-#: Above any sequence number :class:`LatestPins` gives an entry.
-_AFTER = 1 << 62
-
-
-def _successive(items: list[Pair]) -> tuple[list[Pair], list[Pair]]:
-    """``items`` without its last and without its first: the pairs of neighbours."""
-    return items[:-1], items[1:]
-
-
-class EndQueue:
-    """Pin ends, soonest first; the keys of one end in ``(-depth, key)`` order."""
-
-    __slots__ = ("_heap", "_seq")
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, list[Pair]]] = []
-        self._seq = 0
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def push(self, until: float, pairs: list[Pair]) -> None:
-        """Keys whose pin ends at ``until``; ``pairs`` is the queue's from now on."""
-        self._seq += 1
-        heapq.heappush(self._heap, (until, self._seq, pairs))
-
-    def pop_due(self, now: float) -> tuple[float, list[Pair]] | None:
-        """The soonest end if it is no later than ``now``, with every key pushed for it.
-
-        The keys come in no particular order, duplicates included (a key
-        pushed twice for one end is stale the second time); the list is the
-        caller's.
-        """
-        heap = self._heap
-        if not heap or heap[0][0] > now:
-            return None
-        until, _, pairs = heapq.heappop(heap)
-        if heap and heap[0][0] == until:
-            pairs = list(pairs)
-            while heap and heap[0][0] == until:
-                pairs.extend(heapq.heappop(heap)[2])
-        return until, pairs
-
-    def due(self, now: float) -> tuple[float, list[Pair]] | None:
-        """:meth:`pop_due` with the keys in ``(-depth, key)`` order."""
-        due = self.pop_due(now)
-        if due is None:
-            return None
-        until, pairs = due
-        return until, sorted(pairs)
-
-
-class LatestPins:
-    """Protected keys, the pin that ends latest first, then the deepest, then the lowest key.
-
-    The heap holds one entry per batch of keys pinned until the same time,
-    ``(-until, -depth, key, seq, rest)`` for the batch's next key, ``rest``
-    sorted so that the next key is last: a k-way merge of the batches, which
-    pops keys in the order a heap of one entry per key would. ``size`` is
-    the number of keys pushed and not yet popped, stale ones included: what
-    that heap's length would be.
-    """
-
-    __slots__ = ("_heap", "_seq", "size")
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, int, list[Pair]]] = []
-        self._seq = 0
-        self.size = 0
-
-    def push(self, until: float, neg_depth: int, key: int) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (-until, neg_depth, key, self._seq, [(neg_depth, key)]))
-        self.size += 1
-
-    def push_many(self, until: float, pairs: list[Pair]) -> None:
-        """Keys protected until ``until``; ``pairs`` is the heap's from now on."""
-        if not pairs:
-            return
-        pairs.sort(reverse=True)
-        neg_depth, key = pairs[-1]
-        self._seq += 1
-        heapq.heappush(self._heap, (-until, neg_depth, key, self._seq, pairs))
-        self.size += len(pairs)
-
-    def top(self) -> tuple[float, int]:
-        """``(until, key)`` of the first entry (valid or stale); the heap must not be empty."""
-        entry = self._heap[0]
-        return -entry[0], entry[2]
-
-    def pop(self) -> None:
-        """Drop the first entry."""
-        heap = self._heap
-        neg_until, _, _, seq, rest = heap[0]
-        rest.pop()
-        if rest:
-            neg_depth, key = rest[-1]
-            heapq.heapreplace(heap, (neg_until, neg_depth, key, seq, rest))
-        else:
-            heapq.heappop(heap)
-        self.size -= 1
-
-    def rebuild(self, entries: Iterable[tuple[float, int, int]]) -> None:
-        """Hold exactly ``(until, -depth, key)`` of ``entries`` (the stale ones go)."""
-        heap: list[tuple[float, int, int, int, list[Pair]]] = []
-        seq = self._seq
-        for until, neg_depth, key in entries:
-            seq += 1
-            heap.append((-until, neg_depth, key, seq, [(neg_depth, key)]))
-        heapq.heapify(heap)
-        self._seq = seq
-        self._heap = heap
-        self.size = len(heap)
 
 
 class TtlPins:
@@ -219,6 +91,8 @@ class TtlPins:
         def _move_many(self, keys: list[int]) -> None: ...
 
         def _replay(self, ops: list[Op]) -> None: ...
+
+        def _relabel(self, key: int, rank: int) -> None: ...
 
     @property
     def pin_cap(self) -> int:
@@ -288,7 +162,6 @@ class TtlPins:
         ahead = until > now
         table = self._size_table
         cap = int(self.pin_fraction * self.capacity)  # pin_cap
-        rank_of = self._rank
         used = self._protected_used
         ops: list[Op] = []
         # Protected keys whose pin only moves, pushed as one batch before anything
@@ -315,38 +188,19 @@ class TtlPins:
                 # _pin_state, inline: past the cap the pin that ends latest yields.
                 if size <= cap:
                     while used + size > cap:
-                        end, victim = latest.top()
-                        entry = protected.get(victim)
-                        if entry is None or entry[0] != end:
-                            latest.pop()  # stale
-                            continue
+                        end, victim = self._latest_pin()
                         if end < until:
                             break  # every current pin ends sooner than this one: it waits
                         latest.pop()
-                        del protected[victim]
-                        used -= entry[1]
-                        was = class_of.get(victim, DEFAULT)
-                        rank = rank_of(victim)
-                        if rank != was:
-                            ops.append((victim, was, rank))
-                            if rank == DEFAULT:
-                                del class_of[victim]
-                            else:
-                                class_of[victim] = rank
+                        used -= protected.pop(victim)[1]
+                        self._rerank(victim, ops)
                     else:
                         protected[key] = (until, size)
                         latest.push(until, neg_depths[i], key)
                         used += size
                         if latest.size > 4 * len(protected) + 64:
                             self._rebuild_latest()
-                was = class_of.get(key, DEFAULT)
-                rank = rank_of(key)
-                if rank != was:
-                    ops.append((key, was, rank))
-                    if rank == DEFAULT:
-                        del class_of[key]
-                    else:
-                        class_of[key] = rank
+                self._rerank(key, ops)
             rank = class_of.get(key, DEFAULT)
             if rank in TIMED:
                 ops.append((key, rank, rank))  # its pin ends at another time now: re-sort it
@@ -354,6 +208,14 @@ class TtlPins:
             latest.push_many(until, moved)
         self._protected_used = used
         self._replay(ops)
+
+    def _rerank(self, key: int, ops: list[Op]) -> None:
+        """Write down ``key``'s move to the class it ranks in now, if another."""
+        was = self._class_of.get(key, DEFAULT)
+        rank = self._rank(key)
+        if rank != was:
+            ops.append((key, was, rank))
+            self._relabel(key, rank)
 
     def _protect(self, key: int, until: float) -> None:
         if self._pin_state(key, until):
@@ -384,18 +246,13 @@ class TtlPins:
         while self._protected_used + size > cap:
             # The pin that ends latest yields: a TTL is when the session is due back,
             # and MIN keeps what is needed soonest.
-            end, victim = latest.top()
-            entry = protected.get(victim)
-            if entry is None or entry[0] != end:
-                latest.pop()  # stale
-                continue
+            end, victim = self._latest_pin()
             if end < until:
                 # Every current pin ends sooner than this one: it waits past the cap.
                 return True
             latest.pop()
             # _unprotect, inline (the victim is protected, so resident).
-            del protected[victim]
-            self._protected_used -= entry[1]
+            self._protected_used -= protected.pop(victim)[1]
             was = class_of.get(victim, DEFAULT)
             rank = rank_of(victim)
             if rank != was:
@@ -406,6 +263,18 @@ class TtlPins:
         if latest.size > 4 * len(protected) + 64:
             self._rebuild_latest()
         return True
+
+    def _latest_pin(self) -> tuple[float, int]:
+        """``(end, key)`` of the protection that ends latest, its entry first in the order
+        (stale entries before it go); there must be one."""
+        latest = self._latest
+        protected = self._protected
+        while True:
+            end, key = latest.top()
+            entry = protected.get(key)
+            if entry is not None and entry[0] == end:
+                return end, key
+            latest.pop()  # stale
 
     def _rebuild_latest(self) -> None:
         """The order of protections without its stale entries, each key at its depth now."""
@@ -434,7 +303,7 @@ class TtlPins:
         nds = list(map(neg, map(self._depth_of.get, run, repeat(0))))
         if len(ends) == 1 and (
             all(map(int.__lt__, nds, islice(nds, 1, None)))
-            or all(map(tuple.__lt__, *_successive(list(zip(nds, run, strict=True)))))
+            or all(map(tuple.__lt__, *successive(list(zip(nds, run, strict=True)))))
         ):
             yielded = self._protect_run(run, nds, ends.pop())
         else:
@@ -526,7 +395,7 @@ class TtlPins:
         # Keys of other requests that yielded, in turn: they move once the batch is
         # done (nothing reads the classes before, and each yields once).
         yielded: list[int] = []
-        # (-until, -depth, key, _AFTER): the entry's key sorts after the same one in
+        # (-until, -depth, key, AFTER): the entry's key sorts after the same one in
         # the order of protections, as it would had it been pushed there.
         fresh: list[tuple[float, int, int, int]] = []
         used = self._protected_used
@@ -572,7 +441,7 @@ class TtlPins:
             else:
                 protected[key] = (until, 1)
                 used += 1
-                heapq.heappush(fresh, (-until, -depth_get(key, 0), key, _AFTER))
+                heapq.heappush(fresh, (-until, -depth_get(key, 0), key, AFTER))
                 waits = math.inf
         self._protected_used = used
         # The batch's protections that stand join the order, one batch per end.

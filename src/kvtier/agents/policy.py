@@ -35,40 +35,43 @@ shadow: when hints make the cache clearly worse than recency would (stale or
 wrong hints), victims come from the fallback's global order until a later
 probe shows the hints helping again.
 
-The bookkeeping lives in three parts the policy is made of: the keys' hints
-(:mod:`kvtier.agents.tags`), the rank classes (:mod:`kvtier.agents.classes`)
-and the TTL pins (:mod:`kvtier.agents.pins`). A block moves between classes
-only when something its rank reads changes; a workflow's progress re-ranks
-that workflow's resident blocks only, and the blocks bound for one class
-join it in one batch.
+The bookkeeping lives in four parts the policy is made of: the keys' hints
+(:mod:`kvtier.agents.tags`), the rank classes (:mod:`kvtier.agents.classes`),
+the TTL pins (:mod:`kvtier.agents.pins`, over the queues of
+:mod:`kvtier.agents.queues`) and the owner's calls on resident keys
+(:mod:`kvtier.agents.resident`). A block moves between classes only when
+something its rank reads changes; a workflow's progress re-ranks only the
+blocks of its agents whose distance changed. A request's work is mostly
+passes at C speed over its keys: the keys of one call share one tag object
+per distinct set of hints, and the keys that change class or protection in
+one call are moved together, each class taking its own moves in one go.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import compress, repeat
-from operator import not_
 from typing import Any, ClassVar
 
-from kvtier.agents.classes import RankClasses, _groups
-from kvtier.agents.pins import EndQueue, LatestPins, TtlPins
-from kvtier.agents.ranks import DEFAULT, WAITING, ByReturn, TailFirstLRU
+from kvtier.agents.classes import RankClasses
+from kvtier.agents.pins import TtlPins
+from kvtier.agents.queues import EndQueue, LatestPins
+from kvtier.agents.ranks import DEFAULT, WAITING
+from kvtier.agents.resident import ResidentKeys
 from kvtier.agents.sessions import SessionBook
 from kvtier.agents.tags import HintTags, Tag
 from kvtier.agents.tracker import WorkflowTracker
-from kvtier.errors import ConfigError, InternalInvariantError
+from kvtier.errors import ConfigError
 from kvtier.hints import Hints, parse_hints
 from kvtier.policy.admission import with_admission
 from kvtier.policy.base import EvictionPolicy, PolicyBase, request_hook
 from kvtier.policy.guard import LRUGuard
-from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.registry import make_policy, register_policy
 
 __all__ = ["DEFAULT", "WorkflowPolicy", "workflow_policy_of"]
 
 
-class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
+class WorkflowPolicy(ResidentKeys, RankClasses, HintTags, TtlPins, PolicyBase):
     """Evict blocks of the agents due latest first (see the module docstring).
 
     ``fallback`` names the policy that orders ties (and everything, without
@@ -325,300 +328,6 @@ class WorkflowPolicy(RankClasses, HintTags, TtlPins, PolicyBase):
                     self.bypassed += 1
                     return False
         return True if self._admits_all else g.admit(key)
-
-    def _place(self, key: int, pinned: bool, size: int) -> None:
-        tag = self._tags.get(key)
-        if tag is not None:
-            self._index(key, tag)
-        self._place_indexed(key, pinned, size)
-
-    def _place_indexed(self, key: int, pinned: bool, size: int) -> None:
-        """:meth:`_place` for a key whose owners are indexed already."""
-        until = self._expiry.get(key)
-        if until is not None and pinned:
-            # A pinned key has no place in its class's order yet, so settling its
-            # protection first and inserting it once, where it ends up, decides
-            # exactly what inserting it and then moving it would.
-            self._pin_state(key, until)
-            until = None
-        rank = self._rank(key)
-        c = self._classes.get(rank)
-        if c is None:
-            c = self._cls(rank)
-        c.insert(key, pinned, size)
-        if rank != DEFAULT:
-            self._class_of[key] = rank
-        if until is not None:
-            self._protect(key, until)
-
-    def insert(self, key: int, pinned: bool = False, size: int = 1) -> None:
-        self._global.insert(key, pinned, size)
-        self._resident.add(key)
-        if pinned:
-            self._pinned.add(key)
-        self._place(key, pinned, size)
-
-    def insert_many(
-        self, keys: Sequence[int], pinned: bool = False, sizes: Sequence[int] | None = None
-    ) -> None:
-        self._global.insert_many(keys, pinned, sizes)
-        self._resident.update(keys)
-        if pinned:
-            self._pinned.update(keys)
-        tags = self._tags
-        expiry = self._expiry
-        size_of = self._size
-        if not tags:
-            if expiry:
-                for key in keys:
-                    self._place(key, pinned, 1 if sizes is None else size_of(key))
-                return
-            if sizes is None and type(default := self._cls(DEFAULT)) is LRUPolicy:
-                default.insert_many(keys, pinned)  # no hints: the fallback's, as one each
-                return
-        # A key neither hinted nor pinned by a TTL is in the fallback's class (never
-        # protected: protection needs an expiry); it goes there at once, in chain
-        # order, one insert each as _place would. The hint-ranked ones go tail first.
-        if all(map(tags.__contains__, keys)):
-            later = list(keys)  # the usual case: every key was hinted on its request
-        else:
-            hinted = [key in tags or key in expiry for key in keys]
-            later = list(compress(keys, hinted))
-            if len(later) < len(keys):
-                rest = list(compress(keys, map(not_, hinted)))
-                default = self._cls(DEFAULT)
-                if sizes is None and type(default) is LRUPolicy:
-                    default.insert_many(rest, pinned)  # the same as one insert each
-                else:
-                    for key in rest:
-                        default.insert(key, pinned, 1 if sizes is None else size_of(key))
-                if not later:
-                    return
-        if any(t is not None and t.owners for t in set(map(tags.get, later))):
-            by_agent = self._by_agent
-            by_workflow = self._by_workflow
-            for key in later:  # each agent's keys indexed in chain order
-                tag = tags.get(key)
-                if tag is not None:
-                    for owner in tag.owners:
-                        keys_of = by_agent.get(owner)
-                        if keys_of is None:
-                            by_agent[owner] = {key: None}
-                            by_workflow.setdefault(owner[0], {})[owner[1]] = None
-                        else:
-                            keys_of[key] = None
-        later.reverse()
-        place = self._place_indexed
-        if type(self)._place_indexed is not WorkflowPolicy._place_indexed:
-            for key in later:
-                place(key, pinned, 1 if sizes is None else size_of(key))
-            return
-        if pinned and sizes is None and not self._redepth:
-            # (A key whose depth changed makes when the order of protections is
-            # rebuilt matter: the batch below rebuilds it at its end only.)
-            self._hold_new(later)
-            return
-        # _place_indexed, inline.
-        rank_of = self._rank
-        pin_state = self._pin_state
-        classes = self._classes
-        class_of = self._class_of
-        for key in later:
-            size = 1 if sizes is None else size_of(key)
-            until = expiry.get(key)
-            if until is not None:
-                if not pinned:
-                    place(key, pinned, size)
-                    continue
-                pin_state(key, until)
-            rank = rank_of(key)
-            c = classes.get(rank)
-            if c is None:
-                c = self._cls(rank)
-            c.insert(key, pinned, size)
-            class_of[key] = rank
-
-    def _hold_new(self, keys: list[int]) -> None:
-        """:meth:`_place_indexed` for each of ``keys`` in turn: new keys of size 1, all
-        pinned, hinted or pinned by a TTL (so none goes to the fallback's class).
-
-        Their protections are settled first, in turn, as one after another would;
-        pinned keys have no place in their class's order, so putting each in the
-        class it ends up in afterwards decides what inserting it and moving it as
-        later keys take its protection would.
-        """
-        self._protect_new(keys)
-        classes = self._classes
-        ranks = self._ranks_of(keys)
-        self._class_of.update(zip(keys, ranks, strict=True))
-        for rank in dict.fromkeys(ranks):
-            c = classes.get(rank)
-            if c is None:
-                c = self._cls(rank)
-            group = compress(keys, map(rank.__eq__, ranks))
-            if isinstance(c, ByReturn | TailFirstLRU):
-                c.hold_many(group)
-            else:
-                for key in group:
-                    c.insert(key, True)
-
-    def access(self, key: int) -> None:
-        self._global.access(key)
-        c = self._classes.get(self._class_of.get(key, DEFAULT))
-        if c is not None and key in c:
-            c.access(key)
-
-    def access_many(self, keys: Sequence[int]) -> None:
-        self._global.access_many(keys)
-        classes = self._classes
-        class_of = self._class_of
-        if not class_of:
-            c = classes.get(DEFAULT)
-            if c is not None:
-                c.access_many([k for k in keys if k in c])
-            return
-        # A hint-ranked class orders its unpinned keys only: a hit on a pinned key
-        # there changes nothing (the owner pins its hits, then reports them).
-        pinned = self._pinned
-        if pinned.issuperset(keys) and class_of.keys() >= set(keys):
-            return
-        default = classes.get(DEFAULT)
-        for key in keys:
-            rank = class_of.get(key)
-            if rank is None:
-                if default is not None and key in default:
-                    default.access(key)
-            elif key not in pinned:
-                c = classes[rank]
-                if key in c:
-                    c.access(key)
-
-    def pin(self, key: int) -> None:
-        self._global.pin(key)
-        self._classes[self._rank_of(key)].pin(key)
-        self._pinned.add(key)
-
-    def unpin(self, key: int) -> None:
-        self._global.unpin(key)
-        self._classes[self._rank_of(key)].unpin(key)
-        self._pinned.discard(key)
-
-    def pin_many(self, keys: Sequence[int]) -> None:
-        self._global.pin_many(keys)
-        for c, group in self._by_class(keys):
-            c.pin_many(group)
-        self._pinned.update(keys)
-
-    def unpin_many(self, keys: Sequence[int]) -> None:
-        self._global.unpin_many(keys)
-        for c, group in self._by_class(keys):
-            c.unpin_many(group)
-        self._pinned.difference_update(keys)
-
-    def _forget(self, key: int) -> None:
-        """``key`` left the level: drop its class membership and protection."""
-        self._class_of.pop(key, None)
-        self._resident.discard(key)
-        self._pinned.discard(key)
-        self._redepth.discard(key)
-        entry = self._protected.pop(key, None)
-        if entry is not None:
-            self._protected_used -= entry[1]
-        tag = self._tags.get(key)
-        if tag is not None and tag.owners:
-            self._unindex_owners(key, tag.owners)
-
-    def _forget_all(self, victims: list[int]) -> None:
-        """:meth:`_forget` for each of ``victims``."""
-        deque(map(self._class_of.pop, victims, repeat(None)), maxlen=0)
-        self._resident.difference_update(victims)
-        self._pinned.difference_update(victims)
-        if self._redepth:
-            self._redepth.difference_update(victims)
-        protected = self._protected
-        if protected:
-            for key in [k for k in victims if k in protected]:
-                self._protected_used -= protected.pop(key)[1]
-        tags = self._tags
-        found = list(map(tags.get, victims))
-        if any(t is not None and t.owners for t in set(found)):
-            unindex = self._unindex_owners
-            for key, tag in zip(victims, found, strict=True):
-                if tag is not None and tag.owners:
-                    unindex(key, tag.owners)
-
-    def remove(self, key: int) -> None:
-        resident = self._resident
-        if key not in resident:
-            return
-        rank = self._class_of.pop(key, DEFAULT)
-        self._global.remove(key)
-        self._classes[rank].remove(key)
-        # _forget, inline: the owner drops keys one by one, a whole subtree at a time.
-        resident.remove(key)
-        self._pinned.discard(key)
-        self._redepth.discard(key)
-        entry = self._protected.pop(key, None)
-        if entry is not None:
-            self._protected_used -= entry[1]
-        tag = self._tags.get(key)
-        if tag is not None and tag.owners:
-            self._unindex_owners(key, tag.owners)
-
-    def _recency(self) -> bool:
-        return not self._class_of or (self.guard is not None and self.guard.recency)
-
-    def _take_global(self, victims: list[int]) -> list[int]:
-        """Victims the global order chose: leave their classes too."""
-        if victims:
-            classes = self._classes
-            ranks = list(map(self._class_of.get, victims, repeat(DEFAULT)))
-            # Each class leaves its keys in the order chosen; classes are independent.
-            for rank, group in _groups(victims, ranks):
-                deque(map(classes[rank].remove, group), maxlen=0)
-            self._forget_all(victims)
-        return victims
-
-    def _take_class(self, victims: list[int]) -> list[int]:
-        deque(map(self._global.remove, victims), maxlen=0)
-        self._forget_all(victims)
-        return victims
-
-    def evict(self) -> int | None:
-        self._tick()
-        if self._recency():
-            key = self._global.evict()
-            if key is None:
-                return None
-            self._classes[self._rank_of(key)].remove(key)
-            self._forget(key)
-            return key
-        rank = self._lowest_evictable()
-        if rank is None:
-            return None
-        c = self._classes[rank]
-        key = c.evict()
-        if key is None:
-            raise InternalInvariantError("a class with evictable keys found no victim")
-        self._global.remove(key)
-        self._forget(key)
-        return key
-
-    def evict_many(self, n: int) -> list[int]:
-        self._tick()
-        if self._recency():
-            return self._take_global(self._global.evict_many(n))
-        out: list[int] = []
-        while len(out) < n:
-            rank = self._lowest_evictable()
-            if rank is None:
-                break
-            c = self._classes[rank]
-            got = c.evict_many(min(n - len(out), c.num_evictable))
-            if not got:
-                raise InternalInvariantError("a class with evictable keys found no victim")
-            out.extend(self._take_class(got))
-        return out
 
     def evict_for(self, size: int) -> list[int] | None:
         if self._recency() and self.capacity > 0:

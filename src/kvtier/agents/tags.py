@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.agents.ranks import MAX_OWNERS
 
@@ -46,10 +46,23 @@ class Tag:
 Change = tuple[Tag, bool, bool, bool] | None
 
 
-def _change(
-    tag: Tag, owner: Owner | None, session: str | None, shared: bool, reuse: str | None
-) -> Change:
-    """What tagging a key whose tag is ``tag`` with these hints does to it."""
+class Said(NamedTuple):
+    """What one call's hints say of its keys."""
+
+    owner: Owner | None
+    session: str | None
+    shared: bool
+    reuse: str | None
+
+    def tag(self) -> Tag:
+        """The tag of a key these hints are the first to name."""
+        owners = [] if self.owner is None else [self.owner]
+        return Tag(owners, self.session, self.shared, self.reuse)
+
+
+def _change(tag: Tag, said: Said) -> Change:
+    """What tagging a key whose tag is ``tag`` with ``said`` does to it."""
+    owner, session, shared, reuse = said
     was_shared = tag.shared
     was_reuse = tag.reuse
     if (
@@ -160,12 +173,11 @@ class HintTags:
         rank inputs changed move to their new class, tail first.
         """
         n = len(keys)
-        tags = self._tags
-        found = list(map(tags.get, keys))
+        said = Said(owner, session, shared, reuse)
         if n and len(set(keys)) == n:
-            moved = self._tag_distinct(keys, found, owner, session, shared, reuse, depths)
+            moved = self._tag_distinct(keys, list(map(self._tags.get, keys)), said, depths)
         else:
-            moved = self._tag_each(keys, owner, session, shared, reuse, depths)
+            moved = self._tag_each(keys, said, depths)
         # Tail first, so a class evicts the chain's tail first.
         move = self._move
         for key in reversed(moved):
@@ -173,14 +185,7 @@ class HintTags:
         self._trim_history()
 
     def _tag_distinct(
-        self,
-        keys: Sequence[int],
-        found: list[Tag | None],
-        owner: Owner | None,
-        session: str | None,
-        shared: bool,
-        reuse: str | None,
-        depths: Iterable[int] | None,
+        self, keys: Sequence[int], found: list[Tag | None], said: Said, depths: Iterable[int] | None
     ) -> list[int]:
         """:meth:`_tag_keys` for keys that are all different: one look at each distinct
         tag, then passes over the keys at C speed. Returns the keys to move, in order."""
@@ -189,9 +194,9 @@ class HintTags:
         fresh: Tag | None = None
         for tag in set(found):
             if tag is None:
-                fresh = Tag([] if owner is None else [owner], session, shared, reuse)
+                fresh = said.tag()
             else:
-                changes[tag] = _change(tag, owner, session, shared, reuse)
+                changes[tag] = _change(tag, said)
         moved: list[int] = []
         resident = self._resident
         at = range(len(keys)) if depths is None else depths
@@ -201,11 +206,8 @@ class HintTags:
             self._depth_of.update(zip(keys, at, strict=True))
             tags.update(zip(keys, repeat(fresh)))
             if not resident.isdisjoint(keys):
-                moved = [k for k in keys if k in resident]
-                self._redepth.update(moved)
-                if owner is not None:
-                    for key in moved:
-                        self._index_owner(key, owner, True)
+                for key in [k for k in keys if k in resident]:
+                    self._first_tag(key, said.owner, moved)
             return moved
         if fresh is not None:
             is_new = [t is None for t in found]
@@ -219,33 +221,33 @@ class HintTags:
         for key, tag in zip(keys, found, strict=True):
             if tag is None:
                 if key in resident:
-                    if owner is not None:
-                        self._index_owner(key, owner, True)
-                    moved.append(key)
-                    self._redepth.add(key)
+                    self._first_tag(key, said.owner, moved)
                 continue
             change = changes[tag]
-            if change is None:
-                continue
-            new_tag, added, recorded, moves = change
-            tags[key] = new_tag
-            if key in resident:
-                if added:
-                    assert owner is not None
-                    self._index_owner(key, owner, recorded)
-                if moves:
-                    moved.append(key)
+            if change is not None:
+                self._retag(key, change, said.owner, moved)
         return moved
 
-    def _tag_each(
-        self,
-        keys: Sequence[int],
-        owner: Owner | None,
-        session: str | None,
-        shared: bool,
-        reuse: str | None,
-        depths: Iterable[int] | None,
-    ) -> list[int]:
+    def _first_tag(self, key: int, owner: Owner | None, moved: list[int]) -> None:
+        """A resident key got its first tag: index it, and move it (its depth changed)."""
+        if owner is not None:
+            self._index_owner(key, owner, True)
+        moved.append(key)
+        self._redepth.add(key)
+
+    def _retag(self, key: int, change: Change, owner: Owner | None, moved: list[int]) -> None:
+        """Give ``key`` the tag ``change`` names; index and move it if it is resident."""
+        assert change is not None
+        new_tag, added, recorded, moves = change
+        self._tags[key] = new_tag
+        if key in self._resident:
+            if added:
+                assert owner is not None
+                self._index_owner(key, owner, recorded)
+            if moves:
+                moved.append(key)
+
+    def _tag_each(self, keys: Sequence[int], said: Said, depths: Iterable[int] | None) -> list[int]:
         """:meth:`_tag_keys` one key after another (a key may come twice: its second
         turn sees what its first did). Returns the keys to move, in order."""
         tags = self._tags
@@ -258,30 +260,19 @@ class HintTags:
             tag = tags.get(key)
             if tag is None:
                 if fresh is None:
-                    fresh = Tag([] if owner is None else [owner], session, shared, reuse)
+                    fresh = said.tag()
                 tags[key] = fresh
                 self._depth_of[key] = depth
                 if key in resident:
-                    if owner is not None:
-                        self._index_owner(key, owner, True)
-                    moved.append(key)
-                    self._redepth.add(key)
+                    self._first_tag(key, said.owner, moved)
                 continue
             tags.move_to_end(key)
             if tag in changes:
                 change = changes[tag]
             else:
-                change = changes[tag] = _change(tag, owner, session, shared, reuse)
-            if change is None:
-                continue
-            new_tag, added, recorded, moves = change
-            tags[key] = new_tag
-            if key in resident:
-                if added:
-                    assert owner is not None
-                    self._index_owner(key, owner, recorded)
-                if moves:
-                    moved.append(key)
+                change = changes[tag] = _change(tag, said)
+            if change is not None:
+                self._retag(key, change, said.owner, moved)
         return moved
 
     def _trim_history(self) -> None:
