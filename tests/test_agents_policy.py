@@ -342,6 +342,10 @@ def test_a_session_end_releases_its_pins_and_sends_its_blocks_first() -> None:
     assert stats["tracked"] == stats["live"] == 2 and stats["pinned_blocks"] == 6
     p.on_request(shared + own, 4, 1.0, {"session_id": "s", "session_end": True})
     assert inner.session_stats()["ended"] == 1 and inner.session_stats()["tracked"] == 1
+    # The ending request's finish repeats its hints: the session is not counted again,
+    # nor tracked anew.
+    inner.on_finish(shared + own, 1.5, {"session_id": "s", "session_end": True})
+    assert inner.session_stats()["ended"] == 1 and inner.session_stats()["tracked"] == 1
     # Its own blocks go first, tail first; the shared prefix stays with the live session.
     assert p.evict_many(2) == [4, 3]
     assert not inner.end_session("s")

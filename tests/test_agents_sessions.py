@@ -77,6 +77,10 @@ class SessionBookMachine(RuleBasedStateMachine):
             Hints(session_id=sid, cache_ttl_s=ttl, session_end=end or None), keys, self.now,
             progress,
         )  # fmt: skip
+        if end and not progress and old is None:
+            # The finish of the request that ended it: nothing recorded, nothing ended again.
+            assert step == SessionStep()
+            return
         rec = self._touch(sid)
         if end:
             assert step == SessionStep(ended=step.ended)

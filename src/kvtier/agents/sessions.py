@@ -89,6 +89,10 @@ class SessionBook:
             raise InternalInvariantError("a session step needs a request with a session_id")
         sessions = self._sessions
         rec = sessions.get(sid)
+        if rec is None and h.session_end and not progress:
+            # The finish of the request that ended it (the same hints again): it ended
+            # when the request came, so there is nothing to record nor to end twice.
+            return SessionStep()
         if rec is None:
             rec = sessions[sid] = Session()
             while len(sessions) > self.max_sessions:
