@@ -26,7 +26,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_policy_speed_structures import _InsertThenMove, _state
 
 from kvtier.agents import WorkflowTracker
-from kvtier.agents.classes import Op
 from kvtier.agents.graph import AgentSpec, WorkflowSpec
 from kvtier.agents.policy import DEFAULT, WorkflowPolicy
 from kvtier.agents.ranks import MAX_OWNERS, ByReturn, TailFirstLRU
@@ -34,6 +33,8 @@ from kvtier.agents.sessions import Session
 from kvtier.agents.tags import HintTags, Owner, Said, Tag
 
 KEYS = st.integers(0, 15)
+#: Enough keys that a history trim walks part of the tags only, or all of them.
+TAG_KEYS = st.integers(0, 63)
 OWNERS = st.none() | st.sampled_from([("w", "a"), ("w", "b"), ("v", "a")])
 SESSIONS = st.none() | st.sampled_from(["s0", "s1", "s2"])
 REUSES = st.none() | st.sampled_from(["likely", "unlikely", "never"])
@@ -148,13 +149,13 @@ class _PlainTags:
 class TagsMachine(RuleBasedStateMachine):
     """Calls with keys named twice, keys entering and leaving, ended sessions, a small history."""
 
-    @initialize(history=st.integers(3, 12))
+    @initialize(history=st.integers(3, 48))
     def setup(self, history: int) -> None:
         self.tags = _Tagged(history)
         self.ref = _PlainTags(history)
 
     @rule(
-        keys=st.lists(KEYS, max_size=8),
+        keys=st.lists(TAG_KEYS, max_size=12),
         owner=OWNERS,
         session=SESSIONS,
         shared=st.booleans(),
@@ -175,7 +176,12 @@ class TagsMachine(RuleBasedStateMachine):
         at = depths if depths is not None else range(len(keys))
         self.ref.tag(keys, owner, session, shared, reuse, at)
 
-    @rule(key=KEYS)
+    @rule(keys=st.lists(TAG_KEYS, max_size=12))
+    def enter_many(self, keys: list[int]) -> None:
+        for key in keys:
+            self.enter(key)
+
+    @rule(key=TAG_KEYS)
     def enter(self, key: int) -> None:
         self.tags._resident.add(key)
         self.ref.resident.add(key)
@@ -186,7 +192,7 @@ class TagsMachine(RuleBasedStateMachine):
                 self.ref.by_agent.setdefault(owner, {})[key] = None
                 self.ref.by_workflow.setdefault(owner[0], {})[owner[1]] = None
 
-    @rule(key=KEYS)
+    @rule(key=TAG_KEYS)
     def leave(self, key: int) -> None:
         if key not in self.tags._resident:
             return
@@ -196,7 +202,7 @@ class TagsMachine(RuleBasedStateMachine):
             self.tags._unindex_owners(key, tag.owners)
         self.ref.leave(key)
 
-    @rule(keys=st.lists(KEYS, max_size=6))
+    @rule(keys=st.lists(TAG_KEYS, max_size=6))
     def end(self, keys: list[int]) -> None:
         memo: dict[Tag, Tag] = {}
         for key in keys:
@@ -231,7 +237,7 @@ class TagsMachine(RuleBasedStateMachine):
 
 
 TestTags = TagsMachine.TestCase
-TestTags.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTags.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 
 # -- replays ----------------------------------------------------------------------------------
 
@@ -306,15 +312,6 @@ class _OneByOne(_InsertThenMove):
         self, keys: Sequence[int], found: list[Tag | None], said: Said, depths: Any
     ) -> list[int]:
         return self._tag_each(keys, said, depths)
-
-    def _replay(self, ops: list[Op]) -> None:
-        pinned = self._pinned
-        for key, old, new in ops:
-            if old == new:
-                self._classes[old].access(key)
-            else:
-                self._classes[old].remove(key)
-                self._cls(new).insert(key, key in pinned, self._size(key))
 
     def _move_many(self, keys: list[int]) -> None:
         for key in dict.fromkeys(keys):

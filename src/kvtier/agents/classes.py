@@ -14,7 +14,8 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import cache
-from itertools import repeat
+from itertools import compress, islice, repeat
+from operator import ne
 from typing import TYPE_CHECKING
 
 from kvtier.agents.graph import FAR
@@ -35,12 +36,34 @@ from kvtier.agents.tracker import WorkflowTracker
 from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.guard import LRUGuard
 
-#: A class call a batch decided: ``(key, old, new)`` moves ``key`` from class ``old``
-#: to class ``new``; ``(key, rank, rank)`` re-sorts it in its class (``access``).
-Op = tuple[int, int, int]
-#: What an :data:`Op` asks of one class: ``(REMOVE | INSERT | ACCESS, key)``.
+#: A class call a batch decided: ``(REMOVE | INSERT | ACCESS, key)``.
 Call = tuple[int, int]
 REMOVE, INSERT, ACCESS = 0, 1, 2
+#: The class calls a batch decided, per class (rank), each class's in turn.
+Journal = dict[int, list[Call]]
+
+
+def moved(journal: Journal, key: int, old: int, new: int) -> None:
+    """Write down ``key``'s move from class ``old`` to class ``new``."""
+    calls = journal.get(old)
+    if calls is None:
+        journal[old] = [(REMOVE, key)]
+    else:
+        calls.append((REMOVE, key))
+    calls = journal.get(new)
+    if calls is None:
+        journal[new] = [(INSERT, key)]
+    else:
+        calls.append((INSERT, key))
+
+
+def resorted(journal: Journal, key: int, rank: int) -> None:
+    """Write down that ``key`` is re-sorted in class ``rank`` (its pin ends at another time)."""
+    calls = journal.get(rank)
+    if calls is None:
+        journal[rank] = [(ACCESS, key)]
+    else:
+        calls.append((ACCESS, key))
 
 
 @cache
@@ -55,17 +78,27 @@ def _unowned(shared: bool, reuse: str | None) -> tuple[int, int]:
 
 
 def group_by(keys: Sequence[int], ranks: list[int]) -> list[tuple[int, list[int]]]:
-    """``keys`` grouped by their ``ranks`` (order kept within each), in order of first key."""
+    """``keys`` grouped by their ``ranks`` (order kept within each), in order of first key.
+
+    A chain's keys come in runs of one class (a shared prefix, then a session's
+    own blocks), so the runs are found at C speed and each run is one slice.
+    """
     first = ranks[0]
-    if ranks.count(first) == len(ranks):
+    n = len(ranks)
+    if ranks.count(first) == n:
         return [(first, list(keys))]
+    ends = list(compress(range(1, n), map(ne, ranks, islice(ranks, 1, None))))
+    ends.append(n)
     groups: dict[int, list[int]] = {}
-    for key, rank in zip(keys, ranks, strict=True):
+    start = 0
+    for end in ends:
+        rank = ranks[start]
         group = groups.get(rank)
         if group is None:
-            groups[rank] = [key]
+            groups[rank] = list(keys[start:end])
         else:
-            group.append(key)
+            group.extend(keys[start:end])
+        start = end
     return list(groups.items())
 
 
@@ -240,40 +273,27 @@ class RankClasses:
             keys = list(dict.fromkeys(keys))
         olds = map(self._class_of.get, keys, repeat(DEFAULT))
         news = self._ranks_of(keys)
-        self._shift_many([op for op in zip(keys, olds, news, strict=True) if op[1] != op[2]])
-
-    def _shift_many(self, ops: list[Op]) -> None:
-        """:meth:`_shift` of ``key`` from class ``old`` to ``new`` for each ``(key, old,
-        new)`` in turn (the keys are distinct)."""
-        if not ops:
-            return
+        journal: Journal = {}
         relabel = self._relabel
-        for key, _, new in ops:
-            relabel(key, new)
-        self._replay(ops)
+        for key, old, new in zip(keys, olds, news, strict=True):
+            if old != new:
+                moved(journal, key, old, new)
+                relabel(key, new)
+        self._replay(journal)
 
-    def _replay(self, ops: list[Op]) -> None:
-        """Make the class calls ``ops`` name, in turn (``_class_of`` names each key's last
+    def _replay(self, journal: Journal) -> None:
+        """Make the class calls ``journal`` names (``_class_of`` names each key's last
         class already).
 
-        Each class only sees its own calls, so each takes them in one go, in
-        their order; the hint-ranked classes of keys of size 1 settle them at
-        once (a key re-sorted twice is pushed once, with the later turn).
+        Classes are independent of one another, so each takes its own calls in
+        one go, in their order; the hint-ranked classes of keys of size 1 settle
+        them at once (a key re-sorted twice is pushed once, with the later turn).
         """
-        if not ops:
-            return
-        calls: dict[int, list[Call]] = {}
-        for key, old, new in ops:
-            if old == new:
-                calls.setdefault(old, []).append((ACCESS, key))
-            else:
-                calls.setdefault(old, []).append((REMOVE, key))
-                calls.setdefault(new, []).append((INSERT, key))
         classes = self._classes
         pinned = self._pinned
         table = self._size_table
         ones = table is not None and not table
-        for rank, todo in calls.items():
+        for rank, todo in journal.items():
             c = classes.get(rank)
             if c is None:
                 c = self._cls(rank)

@@ -18,7 +18,7 @@ from itertools import compress, islice, repeat
 from operator import lt, neg
 from typing import TYPE_CHECKING
 
-from kvtier.agents.classes import Op
+from kvtier.agents.classes import Journal, moved, resorted
 from kvtier.agents.queues import AFTER, EndQueue, LatestPins, Pair, successive
 from kvtier.agents.ranks import DEFAULT, TIMED
 from kvtier.agents.sessions import Session
@@ -86,11 +86,9 @@ class TtlPins:
 
         def _ranks_of(self, keys: Sequence[int]) -> list[int]: ...
 
-        def _shift_many(self, ops: list[Op]) -> None: ...
-
         def _move_many(self, keys: list[int]) -> None: ...
 
-        def _replay(self, ops: list[Op]) -> None: ...
+        def _replay(self, journal: Journal) -> None: ...
 
         def _relabel(self, key: int, rank: int) -> None: ...
 
@@ -141,7 +139,7 @@ class TtlPins:
         self._late.update(zip(changed, repeat(late)))
         neg_depths = list(map(neg, map(self._depth_of.get, changed, repeat(0))))
         resident = self._resident
-        held = [i for i, k in enumerate(changed) if k in resident]
+        held = list(compress(range(len(changed)), map(resident.__contains__, changed)))
         if held:
             self._repin(changed, neg_depths, held, until)
         self._ends.push(until, list(zip(neg_depths, changed, strict=True)))
@@ -163,7 +161,7 @@ class TtlPins:
         table = self._size_table
         cap = int(self.pin_fraction * self.capacity)  # pin_cap
         used = self._protected_used
-        ops: list[Op] = []
+        journal: Journal = {}
         # Protected keys whose pin only moves, pushed as one batch before anything
         # else reads the order of protections.
         moved: list[Pair] = []
@@ -178,7 +176,7 @@ class TtlPins:
                     moved.append((neg_depths[i], key))
                     rank = class_of.get(key, DEFAULT)
                     if rank in TIMED:
-                        ops.append((key, rank, rank))  # its pin ends at another time now
+                        resorted(journal, key, rank)  # its pin ends at another time now
                     continue
                 # Pinned until the past: its protection stays as it was.
             elif ahead:
@@ -193,28 +191,28 @@ class TtlPins:
                             break  # every current pin ends sooner than this one: it waits
                         latest.pop()
                         used -= protected.pop(victim)[1]
-                        self._rerank(victim, ops)
+                        self._rerank(victim, journal)
                     else:
                         protected[key] = (until, size)
                         latest.push(until, neg_depths[i], key)
                         used += size
                         if latest.size > 4 * len(protected) + 64:
                             self._rebuild_latest()
-                self._rerank(key, ops)
+                self._rerank(key, journal)
             rank = class_of.get(key, DEFAULT)
             if rank in TIMED:
-                ops.append((key, rank, rank))  # its pin ends at another time now: re-sort it
+                resorted(journal, key, rank)  # its pin ends at another time now: re-sort it
         if moved:
             latest.push_many(until, moved)
         self._protected_used = used
-        self._replay(ops)
+        self._replay(journal)
 
-    def _rerank(self, key: int, ops: list[Op]) -> None:
+    def _rerank(self, key: int, journal: Journal) -> None:
         """Write down ``key``'s move to the class it ranks in now, if another."""
         was = self._class_of.get(key, DEFAULT)
         rank = self._rank(key)
         if rank != was:
-            ops.append((key, was, rank))
+            moved(journal, key, was, rank)
             self._relabel(key, rank)
 
     def _protect(self, key: int, until: float) -> None:
@@ -318,9 +316,11 @@ class TtlPins:
         ``(-depth, key)`` order (a chain, tail first: the usual batch).
 
         The batch's protected keys then leave in the order they came (each the
-        first of them in the order of protections), so they are a queue, not a
-        heap: ``kept[lo:]`` are protected. A key's turn is a comparison with the
-        first other protection, which is looked up again only once it yielded.
+        first of them in the order of protections), so they are a queue:
+        ``run[lo:i]`` are protected. A key's turn is a comparison with the first
+        other protection, which is looked up again only once it yielded; while
+        there is room, or while every other protection ends sooner (each key then
+        takes the place of the batch's first), the keys take their turns at once.
         """
         cap = int(self.pin_fraction * self.capacity)
         protected = self._protected
@@ -328,7 +328,6 @@ class TtlPins:
         order = latest._heap
         used = self._protected_used
         yielded: list[int] = []
-        kept: list[int] = []  # indices into run
         lo = 0
         # The first valid protection of another request, (-end, -depth, key, ...).
         head: tuple[float, int, int, int, list[Pair]] | None = None
@@ -336,9 +335,9 @@ class TtlPins:
         i = 0
         while i < n:
             if used < cap:
-                kept.append(i)
-                used += 1
-                i += 1
+                take = min(cap - used, n - i)
+                used += take
+                i += take
                 continue
             if head is None:
                 while order:
@@ -350,15 +349,13 @@ class TtlPins:
                         head = top
                         break
                     latest.pop()  # stale
-            if lo < len(kept):
-                first = kept[lo]
-                if (
-                    head is None
-                    or -head[0] < until
-                    or (-head[0] == until and (nds[first], run[first]) < head[1:3])
-                ):
+            if lo < i:
+                if head is None or -head[0] < until:
+                    lo += n - i  # each key in turn takes the batch's first one's place
+                    i = n
+                    break
+                if -head[0] == until and (nds[lo], run[lo]) < head[1:3]:
                     lo += 1  # the batch's first protected key yields to this one
-                    kept.append(i)
                     i += 1
                     continue
             if head is None or -head[0] < until:
@@ -369,10 +366,10 @@ class TtlPins:
             used -= protected.pop(victim)[1]
             yielded.append(victim)
         self._protected_used = used
-        if lo < len(kept):
-            stay = kept[lo:]
-            protected.update(zip([run[j] for j in stay], repeat((until, 1))))
-            latest.push_many(until, [(nds[j], run[j]) for j in stay])
+        if lo < i:
+            stay = run[lo:i]
+            protected.update(zip(stay, repeat((until, 1))))
+            latest.push_many(until, list(zip(nds[lo:i], stay, strict=True)))
         return yielded
 
     def _protect_each(self, keys: list[int]) -> list[int]:

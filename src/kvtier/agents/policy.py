@@ -319,6 +319,8 @@ class WorkflowPolicy(ResidentKeys, RankClasses, HintTags, TtlPins, PolicyBase):
 
     def admit(self, key: int) -> bool:
         g = self._global
+        if self._admits_all and g.used < self.capacity:
+            return True  # room for it: nothing to weigh (the pool asks once per new key)
         if key in self._tags and self._class_of:
             guard = self.guard
             if (guard is None or not guard.recency) and g.used >= self.capacity:

@@ -167,15 +167,19 @@ class ByReturn(PolicyBase):
         if len(fresh) > 4 * len(self._live) + 256:
             self._prune()
 
+    def _valid(self, entries: list[Entry]) -> list[Entry]:
+        """The ``entries`` still live (a later push or a pin leaves an entry stale)."""
+        get = self._live.get
+        return [e for e in entries if get(e[3]) is e]
+
     def _prune(self) -> None:
         """Drop the waiting entries a later push superseded (a class seldom evicted from)."""
-        live = self._live
-        self._fresh = [e for e in self._fresh if live.get(e[3]) is e]
+        self._fresh = self._valid(self._fresh)
 
     def _flush(self) -> None:
         """Put the waiting entries that are still live in the heap."""
         live = self._live
-        entries = [e for e in self._fresh if live.get(e[3]) is e]
+        entries = self._valid(self._fresh)
         self._fresh = []
         heap = self._heap
         if len(entries) > len(heap):
@@ -211,8 +215,9 @@ class ByReturn(PolicyBase):
 
     def replay(self, calls: Iterable[tuple[int, int]], pinned: Container[int]) -> None:
         """``remove(key)`` (0), ``insert(key, key in pinned)`` (1) or ``access(key)`` (2)
-        for each ``(call, key)`` in turn: keys of size 1. Only each key's last push
-        makes an entry (the earlier ones would be stale before anyone looked)."""
+        for each ``(call, key)`` in turn: keys of size 1, the owner's tables as they
+        will be after the calls. Only each key's last push makes an entry (the
+        earlier ones would be stale before anyone looked)."""
         live = self._live
         held = self._held
         pushed: dict[int, int] = {}
