@@ -91,6 +91,7 @@ from _common import (
     git_state,
     log,
     machine_info,
+    percentile,
     write_json,
 )
 
@@ -624,15 +625,6 @@ async def replay(server: Server, workload: Workload, config: Config, max_tokens:
 
 
 # -- summaries ------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def _shares(prompt: int, by_source: dict[str, int]) -> dict[str, float]:

@@ -60,6 +60,7 @@ from _common import (
     log,
     machine_info,
     package_version,
+    percentile,
     write_json,
 )
 
@@ -359,15 +360,6 @@ def _healthy(url: str) -> bool:
             return 200 <= int(r.status) < 300
     except OSError:
         return False
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def summarize(
