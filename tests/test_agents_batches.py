@@ -317,10 +317,11 @@ class _OneByOne(_InsertThenMove):
         for key in dict.fromkeys(keys):
             self._move(key)
 
-    def _on_workflow(self, workflow_id: str) -> None:
-        # Without the distances the blocks were ranked by, every block is re-ranked.
-        self._dists.pop(workflow_id, None)
-        super()._on_workflow(workflow_id)
+    def _rerank_workflow(self, workflow_id: str, previous: dict[str, int] | None) -> None:
+        # Every block of every agent of the workflow, each agent's tail first.
+        for aid in list(self._by_workflow.get(workflow_id, {})):
+            for key in reversed(list(self._by_agent.get((workflow_id, aid), {}))):
+                self._move(key)
 
     def pin_for(self, keys: Iterable[int], until: float, replacing: float | None = None) -> None:
         late = until + max(until - self._now, 0.0)

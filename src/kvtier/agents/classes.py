@@ -11,7 +11,7 @@ Victims come from the lowest class with evictable blocks.
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from functools import cache
 from itertools import compress, islice, repeat
@@ -67,13 +67,14 @@ def resorted(journal: Journal, key: int, rank: int) -> None:
 
 
 @cache
-def _unowned(shared: bool, reuse: str | None) -> tuple[int, int]:
-    """The class of an unprotected key whose tag names no agent, without and with a TTL."""
+def _alone(shared: bool, reuse: str | None, distance: int) -> tuple[int, int]:
+    """The class of an unprotected key whose tag names one agent, ``distance`` steps
+    away (:data:`FAR`: none), without and with a TTL."""
     if reuse == "never":
         return NEVER, NEVER
+    plain = keep_rank(FAR - 1 if distance >= FAR and reuse == "likely" else distance, shared)
     # A shared prefix's pin ends when its last user is due, but it is due when its
     # first one is: it ranks as a shared prefix, above every wait.
-    plain = keep_rank(FAR - 1 if reuse == "likely" else FAR, shared)
     return plain, plain if shared else WAITING
 
 
@@ -181,7 +182,7 @@ class RankClasses:
             return WAITING if ttl else DEFAULT
         owners = tag.owners
         if not owners:
-            return _unowned(tag.shared, tag.reuse)[ttl]
+            return _alone(tag.shared, tag.reuse, FAR)[ttl]
         reuse = tag.reuse
         if reuse == "never":
             return NEVER
@@ -208,7 +209,7 @@ class RankClasses:
         found = list(map(self._tags.get, keys))
         tag_rank = self._tag_rank
         of_tag = {
-            t: _unowned(t.shared, t.reuse)
+            t: _alone(t.shared, t.reuse, FAR)
             if t is not None and not t.owners
             else (tag_rank(t, False), tag_rank(t, True))
             for t in set(found)
@@ -310,11 +311,7 @@ class RankClasses:
                     c.insert(key, key in pinned, size)
 
     def _on_workflow(self, workflow_id: str) -> None:
-        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks.
-
-        An agent whose distance did not change keeps its blocks where they are,
-        unless another agent owns one of them too.
-        """
+        """The tracker says ``workflow_id`` changed: tag its prefixes, re-rank its blocks."""
         # The distances its blocks were ranked by (None: not known).
         previous = self._dists.pop(workflow_id, None)
         state = self.tracker.get(workflow_id)
@@ -326,6 +323,16 @@ class RankClasses:
             for a in state.spec.agents:
                 if a.prefix_keys:
                     self._tag_keys(a.prefix_keys, (workflow_id, a.agent_id), None, shared=True)
+        self._rerank_workflow(workflow_id, previous)
+
+    def _rerank_workflow(self, workflow_id: str, previous: dict[str, int] | None) -> None:
+        """Move the workflow's resident blocks to the classes its distances now give them,
+        each agent's tail first; ``previous``: the distances they were ranked by.
+
+        An agent whose distance did not change keeps its blocks where they are,
+        unless another agent owns one of them too. The keys of one agent are
+        ranked once per distinct tag, and leave and join their classes together.
+        """
         agents = self._by_workflow.get(workflow_id)
         if not agents:
             return
@@ -347,44 +354,55 @@ class RankClasses:
         joining: dict[int, list[int]] = {}
         for aid in list(agents):
             owner = (workflow_id, aid)
-            keys = by_agent.get(owner)
-            if not keys:
+            held = by_agent.get(owner)
+            if not held:
                 continue
             distance = dists.get(aid, FAR)
+            # Tail first: the class then evicts the chain's tail first, as it would have.
+            keys = list(reversed(held))
+            found = list(map(tags.get, keys))
+            distinct = set(found)
+            alone = {t for t in distinct if t is not None and t.owners == [owner]}
             if (
                 previous is not None
                 and previous.get(aid, FAR) == distance
-                and all(t is not None and t.owners == [owner] for t in set(map(tags.get, keys)))
+                and len(alone) == len(distinct)
             ):
                 continue  # every key's rank reads this agent's distance alone: none moves
-            # Tail first: the class then evicts the chain's tail first, as it would have.
-            for key in reversed(keys):
-                old = class_of.get(key, DEFAULT)
-                tag = tags.get(key)
-                if tag is None or key in protected or tag.owners != [owner]:
-                    new = rank(key)
+            # _rank for the keys of this agent alone, once per tag (its distance read once).
+            of_tag = {t: _alone(t.shared, t.reuse, distance) for t in alone}
+            news = [
+                of_tag[t][k in expiry] if t in of_tag and k not in protected else rank(k)
+                for k, t in zip(keys, found, strict=True)
+            ]
+            olds = list(map(class_of.get, keys, repeat(DEFAULT)))
+            at = list(compress(range(len(keys)), map(ne, olds, news)))
+            if not at:
+                continue
+            if not batch:
+                for i in at:
+                    shift(keys[i], olds[i], news[i])
+                continue
+            joins = []
+            for i in at:
+                new = news[i]
+                if new == DEFAULT or new in TIMED:
+                    shift(keys[i], olds[i], new)
                 else:
-                    # _rank for a key of this agent alone, its distance read once.
-                    reuse = tag.reuse
-                    if reuse == "never":
-                        new = NEVER
-                    elif not tag.shared and key in expiry:
-                        new = WAITING
-                    else:
-                        d = FAR - 1 if distance >= FAR and reuse == "likely" else distance
-                        new = (SHARED if tag.shared else DYNAMIC) + (FAR - max(d, 0))
-                if new == old:
-                    continue
-                if batch and new != DEFAULT and new not in TIMED:
-                    classes[old].remove(key)
-                    class_of[key] = new
-                    group = joining.get(new)
-                    if group is None:
-                        joining[new] = [key]
-                    else:
-                        group.append(key)
+                    joins.append(i)
+            if not joins:
+                continue
+            keys = [keys[i] for i in joins]
+            news = [news[i] for i in joins]
+            for old, group in group_by(keys, [olds[i] for i in joins]):
+                deque(map(classes[old].remove, group), maxlen=0)
+            class_of.update(zip(keys, news, strict=True))
+            for new, group in group_by(keys, news):
+                waiting = joining.get(new)
+                if waiting is None:
+                    joining[new] = group
                 else:
-                    shift(key, old, new)
+                    waiting.extend(group)
         pinned = self._pinned
         for new, group in joining.items():
             c = classes.get(new)
