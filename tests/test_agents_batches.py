@@ -28,7 +28,7 @@ from test_policy_speed_structures import _InsertThenMove, _state
 from kvtier.agents import WorkflowTracker
 from kvtier.agents.graph import AgentSpec, WorkflowSpec
 from kvtier.agents.policy import DEFAULT, WorkflowPolicy
-from kvtier.agents.ranks import MAX_OWNERS, ByReturn, TailFirstLRU
+from kvtier.agents.ranks import ACCESS, INSERT, MAX_OWNERS, REMOVE, ByReturn, TailFirstLRU
 from kvtier.agents.sessions import Session
 from kvtier.agents.tags import HintTags, Owner, Said, Tag
 
@@ -241,18 +241,19 @@ TestTags.settings = settings(max_examples=150, stateful_step_count=60, deadline=
 
 # -- replays ----------------------------------------------------------------------------------
 
-CALLS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 11)), max_size=24)
+KINDS = st.sampled_from([REMOVE, INSERT, ACCESS])
+CALLS = st.lists(st.tuples(KINDS, st.integers(0, 11)), max_size=24)
 
 
 def _legal(calls: list[tuple[int, int]], inside: set[int]) -> list[tuple[int, int]]:
     """Drop the calls an owner would not make: inserting a key held, removing one that is not."""
     out = []
     for kind, key in calls:
-        if kind == 1:
+        if kind == INSERT:
             if key in inside:
                 continue
             inside.add(key)
-        elif kind == 0:
+        elif kind == REMOVE:
             if key not in inside:
                 continue
             inside.discard(key)
@@ -262,9 +263,9 @@ def _legal(calls: list[tuple[int, int]], inside: set[int]) -> list[tuple[int, in
 
 def _one_by_one(c: Any, calls: list[tuple[int, int]], pinned: set[int]) -> None:
     for kind, key in calls:
-        if kind == 2:
+        if kind == ACCESS:
             c.access(key)
-        elif kind == 1:
+        elif kind == INSERT:
             c.insert(key, key in pinned)
         else:
             c.remove(key)

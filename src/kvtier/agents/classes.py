@@ -20,14 +20,18 @@ from typing import TYPE_CHECKING
 
 from kvtier.agents.graph import FAR
 from kvtier.agents.ranks import (
+    ACCESS,
     DEFAULT,
     DYNAMIC,
+    INSERT,
     NEVER,
     PINNED,
+    REMOVE,
     SHARED,
     TIMED,
     WAITING,
     ByReturn,
+    Call,
     TailFirstLRU,
     keep_rank,
 )
@@ -36,9 +40,6 @@ from kvtier.agents.tracker import WorkflowTracker
 from kvtier.policy.base import EvictionPolicy, PolicyBase
 from kvtier.policy.guard import LRUGuard
 
-#: A class call a batch decided: ``(REMOVE | INSERT | ACCESS, key)``.
-Call = tuple[int, int]
-REMOVE, INSERT, ACCESS = 0, 1, 2
 #: The class calls a batch decided, per class (rank), each class's in turn.
 Journal = dict[int, list[Call]]
 

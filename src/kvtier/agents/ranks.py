@@ -39,6 +39,10 @@ PINNED = 3 * FAR + 10
 TIMED = frozenset((WAITING, PINNED))
 #: Owners one key remembers at most (a block shared more widely is shared anyway).
 MAX_OWNERS = 8
+#: A class call a batch decided (see :meth:`ByReturn.replay`): ``(REMOVE | INSERT |
+#: ACCESS, key)``.
+Call = tuple[int, int]
+REMOVE, INSERT, ACCESS = 0, 1, 2
 #: A :class:`ByReturn` heap entry: ``(-until, -depth, -seq, key)``.
 Entry = tuple[float, int, int, int]
 #: Not in a dict (a key's value there may be None).
@@ -86,16 +90,16 @@ class TailFirstLRU(LRUPolicy):
         """Insert ``keys`` (of size 1) pinned: ``insert(key, True)`` for each."""
         self._pinned.update(keys)
 
-    def replay(self, calls: Iterable[tuple[int, int]], pinned: Container[int]) -> None:
-        """``remove(key)`` (0), ``insert(key, key in pinned)`` (1) or ``access(key)`` (2)
-        for each ``(call, key)`` in turn: keys of size 1."""
+    def replay(self, calls: Iterable[Call], pinned: Container[int]) -> None:
+        """``remove(key)``, ``insert(key, key in pinned)`` or ``access(key)`` for each
+        ``(REMOVE | INSERT | ACCESS, key)`` in turn: keys of size 1."""
         order = self._order
         held = self._pinned
         for kind, key in calls:
-            if kind == 2:
+            if kind == ACCESS:
                 if key in order:
                     order.move_to_end(key)
-            elif kind == 1:
+            elif kind == INSERT:
                 if key in pinned:
                     held.add(key)
                 else:
@@ -213,21 +217,21 @@ class ByReturn(PolicyBase):
         live.update(zip(keys, entries, strict=True))
         self._wait(entries)
 
-    def replay(self, calls: Iterable[tuple[int, int]], pinned: Container[int]) -> None:
-        """``remove(key)`` (0), ``insert(key, key in pinned)`` (1) or ``access(key)`` (2)
-        for each ``(call, key)`` in turn: keys of size 1, the owner's tables as they
-        will be after the calls. Only each key's last push makes an entry (the
+    def replay(self, calls: Iterable[Call], pinned: Container[int]) -> None:
+        """``remove(key)``, ``insert(key, key in pinned)`` or ``access(key)`` for each
+        ``(REMOVE | INSERT | ACCESS, key)`` in turn: keys of size 1, the owner's tables
+        as they will be after the calls. Only each key's last push makes an entry (the
         earlier ones would be stale before anyone looked)."""
         live = self._live
         held = self._held
         pushed: dict[int, int] = {}
         seq = self._seq
         for kind, key in calls:
-            if kind == 2:
+            if kind == ACCESS:
                 if key in live or key in pushed:
                     seq += 1
                     pushed[key] = seq
-            elif kind == 1:
+            elif kind == INSERT:
                 if key in pinned:
                     held.add(key)
                 else:
