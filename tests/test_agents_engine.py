@@ -93,6 +93,46 @@ def test_a_finished_request_pins_its_blocks_for_its_ttl(model_tok: tuple[Any, An
     assert all(policy.rank_of(k) != PINNED for k in keys)
 
 
+def test_a_session_whose_request_waits_keeps_its_blocks_past_its_ttl(
+    model_tok: tuple[Any, Any],
+) -> None:
+    """Its request arrived within the TTL but is served later, behind others: the
+    blocks are held until then, and it finds its whole context cached."""
+    model, tok = model_tok
+    clock = [100.0]
+    # 16 blocks, one request at a time: the session's 5 cached blocks and the first
+    # other request's 5 fit; the second other request's 10 evict 5 of them.
+    eng = Engine(
+        model, tok, model_id="tiny", block_size=4, num_blocks=16, policy="workflow",
+        max_num_seqs=1,
+    )  # fmt: skip
+    eng.manager.clock = lambda: clock[0]
+    policy = workflow_policy_of(eng.manager.pool.policy)
+    assert policy is not None
+    g = torch.Generator().manual_seed(11)
+    turn1 = torch.randint(5, 90, (20,), generator=g).tolist()
+    others = [torch.randint(5, 90, (n,), generator=g).tolist() for n in (20, 40)]
+    hints = {"session_id": "tool-1", "cache_ttl_s": 2.0}
+    out1 = run(eng, turn1, hints)
+    turn2 = turn1 + out1 + torch.randint(5, 90, (4,), generator=g).tolist()
+    clock[0] = 101.5  # the tool answered within the TTL ...
+    for i, p in enumerate(others):  # sessions whose pins last longer than its TTL
+        eng.add_request(p, GREEDY, hints={"session_id": f"other-{i}", "cache_ttl_s": 60.0})
+    rid = eng.add_request(turn2, GREEDY, hints=hints)
+    clock[0] = 110.0  # ... and the queue before it took longer than the TTL
+    cached: dict[str, int] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished and out.metrics is not None:
+                cached[out.request_id] = out.metrics.cached_tokens
+    # Held while it waited (past its TTL: the hold is renewed every step), the
+    # session's blocks outlived the first other request's, pinned for longer.
+    assert cached[rid] == (len(turn1) + len(out1) - 1) // 4 * 4
+    assert policy.sessions.wait == pytest.approx(8.5)
+    assert max(v for k, v in cached.items() if k != rid) == 0
+    eng.manager.check()
+
+
 def _tiered(model_tok: tuple[Any, Any], tiers: list[Tier], **kw: Any) -> Engine:
     model, tok = model_tok
     return Engine(

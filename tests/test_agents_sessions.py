@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.agents.sessions import SessionBook, SessionStep
+from kvtier.agents.sessions import HOLD_FACTOR, MIN_HOLD, WAIT_WEIGHT, SessionBook, SessionStep
 from kvtier.errors import InternalInvariantError
 from kvtier.hints import Hints
 
@@ -24,6 +24,7 @@ class _Model:
     until: float = 0.0
     hinted: bool = False
     pause: float = 0.0
+    arrived: float = 0.0
 
 
 class SessionBookMachine(RuleBasedStateMachine):
@@ -37,6 +38,7 @@ class SessionBookMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.ended = 0
         self.next_key = 0
+        self.wait = 0.0
 
     def _touch(self, sid: str) -> _Model:
         if sid in self.order:
@@ -82,6 +84,11 @@ class SessionBookMachine(RuleBasedStateMachine):
             assert step == SessionStep()
             return
         rec = self._touch(sid)
+        waited = progress and old is not None and old.arrived > 0.0
+        if waited:
+            w = max(self.now - rec.arrived, 0.0)
+            self.wait = w if self.wait <= 0.0 else self.wait + WAIT_WEIGHT * (w - self.wait)
+            rec.arrived = 0.0
         if end:
             assert step == SessionStep(ended=step.ended)
             assert step.ended is not None and step.ended.keys == rec.keys
@@ -96,7 +103,7 @@ class SessionBookMachine(RuleBasedStateMachine):
         else:
             assert step.release is None
         continued = old is not None and not fresh and len(old.keys) > 1
-        if progress and continued and rec.since > 0.0:
+        if progress and continued and rec.since > 0.0 and not waited:
             pause = self.now - rec.since
             rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
         previous = rec.until
@@ -111,6 +118,33 @@ class SessionBookMachine(RuleBasedStateMachine):
         assert step.pin is not None
         pin_keys, until, replacing = step.pin
         assert list(pin_keys) == keys and replacing == previous
+        assert until == pytest.approx(rec.until)
+        rec.until = until
+
+    @rule(
+        sid=st.sampled_from("abcd"),
+        wait=st.sampled_from([0.0, 0.5, 3.0, 12.0]),
+        end=st.sampled_from([False] * 5 + [True]),
+    )
+    def arrive(self, sid: str, wait: float, end: bool) -> None:
+        """A request of ``sid`` is queued: a known session is held until it is served."""
+        self.now += wait
+        rec = self.model.get(sid)
+        step = self.book.arrive(Hints(session_id=sid, session_end=end or None), self.now)
+        if rec is None or not rec.keys or end or (rec.arrived > 0.0 and rec.until > self.now):
+            assert step == SessionStep()
+            return
+        if rec.arrived <= 0.0 and rec.since > 0.0:
+            # The pause ends when the request arrives, however long it then waits.
+            pause = self.now - rec.since
+            rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
+        previous = rec.until
+        if rec.arrived <= 0.0:
+            rec.arrived = self.now
+        rec.until = self.now + max(MIN_HOLD, HOLD_FACTOR * self.wait)
+        assert step.pin is not None and step.release is None and step.ended is None
+        pin_keys, until, replacing = step.pin
+        assert list(pin_keys) == rec.keys and replacing == previous
         assert until == pytest.approx(rec.until)
         rec.until = until
 
@@ -129,9 +163,11 @@ class SessionBookMachine(RuleBasedStateMachine):
         assert len(self.book) == len(self.model) <= 3
         assert self.book.ended == self.ended
         assert 1.0 <= self.book.stretch <= 4.0
+        assert self.book.wait == pytest.approx(self.wait)
         for sid, rec in self.model.items():
             got = self.book.get(sid)
             assert got is not None and got.keys == rec.keys and got.since == rec.since
+            assert got.arrived == rec.arrived and got.pause == pytest.approx(rec.pause)
         assert self.book.live(self.now) == sum(r.until > self.now for r in self.model.values())
 
 
@@ -163,3 +199,44 @@ def test_the_stretch_is_the_80th_percentile_ratio_clamped_to_one_to_four(
 def test_a_step_without_a_session_is_an_internal_error() -> None:
     with pytest.raises(InternalInvariantError, match="session_id"):
         SessionBook().observe(Hints(cache_ttl_s=1.0), [1], 0.0, True)
+
+
+def test_a_session_comes_back_when_its_request_arrives_not_when_it_is_served() -> None:
+    """A busy server's queue is not its sessions' pause: the pause ends at the arrival,
+    and the wait after it is learned separately, to hold the next arrivals."""
+    book = SessionBook()
+    h = Hints(session_id="s", cache_ttl_s=2.0)
+    book.observe(h, [1, 2], 0.0, True)
+    book.observe(h, [1, 2, 3], 1.0, False)  # finished at 1.0: the pause starts
+    step = book.arrive(h, 3.5)  # back after 2.5 s
+    rec = book.get("s")
+    assert rec is not None and rec.pause == pytest.approx(2.5) and rec.arrived == 3.5
+    # Nothing learned about waits yet: held for MIN_HOLD, superseding the TTL pin.
+    assert step.pin == ([1, 2, 3], 3.5 + MIN_HOLD, 1.0 + 2.0)
+    assert book.arrive(h, 4.0) == SessionStep()  # already waiting and held
+    step = book.observe(h, [1, 2, 3, 4], 13.5, True)  # served 10 s later
+    assert rec.pause == pytest.approx(2.5) and rec.arrived == 0.0
+    assert book.wait == pytest.approx(10.0)
+    assert step.pin == ([1, 2, 3, 4], 13.5 + 2.0, 3.5 + MIN_HOLD)
+    book.observe(h, [1, 2, 3, 4], 14.0, False)
+    # The next arrival is held for as long as requests have been waiting, twice over.
+    step = book.arrive(h, 16.0)
+    assert step.pin is not None and step.pin[1] == pytest.approx(16.0 + HOLD_FACTOR * 10.0)
+
+
+def test_a_hold_is_renewed_while_the_request_waits() -> None:
+    book = SessionBook()
+    h = Hints(session_id="s", cache_ttl_s=1.0)
+    book.observe(h, [7], 0.0, True)
+    assert book.arrive(h, 2.0).pin is not None
+    # Still waiting, or cancelled and another came: once the hold has run out it is
+    # renewed, and the wait counts from the first arrival.
+    assert book.arrive(h, 2.5) == SessionStep()
+    step = book.arrive(h, 2.0 + MIN_HOLD + 0.5)
+    assert step.pin is not None and step.pin[2] == 2.0 + MIN_HOLD
+    book.observe(h, [7, 8], 5.0, True)
+    assert book.wait == pytest.approx(3.0)
+    assert book.arrive(Hints(session_id="unknown"), 9.0) == SessionStep()
+    assert book.arrive(Hints(session_id="s", session_end=True), 9.0) == SessionStep()
+    with pytest.raises(InternalInvariantError, match="session_id"):
+        book.arrive(Hints(cache_ttl_s=1.0), 9.0)

@@ -81,6 +81,28 @@ class AgentSupport:
         return tuple(tok.encode(text, add_special_tokens=False))
 
     # -- requests ---------------------------------------------------------------------
+    def arrived(self, seq: Any) -> None:
+        """A request was queued: a session it continues is back (its blocks are held
+        until the request is served, not only until its TTL ran out)."""
+        hints: Hints | None = getattr(seq, "hints", None)
+        if hints is None or hints.session_id is None or self.policy is None:
+            return
+        self.policy.on_arrival(hints, self.engine.manager.clock())
+
+    def hold_waiting(self, waiting: Sequence[Any]) -> None:
+        """Renew the holds of sessions whose requests still wait (before a step admits):
+        a hold is short, so it ranks the session as due soon, and lasts as long as
+        the wait does because it is renewed here; a request cancelled while it
+        waited stops renewing it."""
+        policy = self.policy
+        if policy is None or not waiting:
+            return
+        now = self.engine.manager.clock()
+        for seq in waiting:
+            hints: Hints | None = seq.hints
+            if hints is not None and hints.session_id is not None and not seq.admissions:
+                policy.on_arrival(hints, now)
+
     def finished(self, seq: Any) -> None:
         """A request ended normally: its blocks join its agent, TTL pins start now."""
         hints: Hints | None = getattr(seq, "hints", None)

@@ -273,6 +273,18 @@ class WorkflowPolicy(ResidentKeys, RankClasses, HintTags, TtlPins, PolicyBase):
             keys, until, previous = step.pin
             self.pin_for(keys, until, replacing=previous)
 
+    def on_arrival(self, hints: Mapping[str, object] | Hints | None, now: float) -> None:
+        """A hinted request arrived at ``now`` and waits to be served: a session that
+        is back keeps its blocks until then (:meth:`SessionBook.arrive`)."""
+        self.expire(now)
+        h = self._hints(hints)
+        if h is None or h.session_id is None:
+            return
+        step = self.sessions.arrive(h, now)
+        if step.pin is not None:
+            keys, until, previous = step.pin
+            self.pin_for(keys, until, replacing=previous)
+
     def end_session(self, session_id: str) -> bool:
         """The session ended: release its pins, its own blocks go first. False if unknown."""
         rec = self.sessions.end(session_id)

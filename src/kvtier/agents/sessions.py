@@ -11,7 +11,14 @@ with the session's TTL pins, as data (:class:`SessionStep`):
   pauses seen; without a hint, twice the session's own mean pause;
 * release the pins of a session that named a TTL at every pause and now
   names none (it is not waiting on a tool, so not expected back soon);
-* end a session that says so (``session_end``).
+* end a session that says so (``session_end``);
+* hold a session's blocks while its next request waits to be served
+  (:meth:`SessionBook.arrive`): a request that has arrived is due as soon as
+  the queue before it drains, so its session's pin moves to then, an
+  estimate learned from how long requests have waited. A session returns
+  when its request arrives, not when it is served, so the pauses (and the
+  stretch) are learned from arrivals: a busy server's queue does not make
+  its sessions' tools look slow.
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ MAX_SESSIONS = 100_000
 RATIOS = 512
 #: New ratios between two re-estimates of the stretch.
 _RELEARN = 32
+#: Seconds a waiting request's session is held at least, past the learned wait.
+MIN_HOLD = 1.0
+#: The hold is this many times the learned wait (most waits are shorter).
+HOLD_FACTOR = 2.0
+#: Weight of the newest wait in the learned wait (an exponential mean).
+WAIT_WEIGHT = 0.2
 
 
 @dataclass(slots=True)
@@ -43,6 +56,8 @@ class Session:
     #: The last request's block keys, in chain order.
     keys: list[int] = field(default_factory=list)
     hinted: bool = False
+    #: When the session's next request arrived, while it waits to be served (0.0: none).
+    arrived: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +86,8 @@ class SessionBook:
         #: By how much a hinted TTL is stretched: most sessions come back within it.
         self.stretch = 1.0
         self.ended = 0
+        #: Mean seconds between a session's request arriving and its being served.
+        self.wait = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -100,13 +117,15 @@ class SessionBook:
         else:
             sessions.move_to_end(sid)
             n = len(rec.keys) - 1  # a grown prompt may change the old partial tail block
-            # Only a request that continues the session's chain says when it came back
-            # (a session id that lies about the conversation teaches nothing).
-            if progress and rec.since > 0.0 and n > 0 and list(keys[:n]) == rec.keys[:n]:
-                pause = now - rec.since
-                if rec.ttl:
-                    self._learn(pause / rec.ttl)
-                rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
+            if progress and rec.arrived > 0.0:
+                # Its arrival said when it came back (arrive); this is when it is served.
+                w = max(now - rec.arrived, 0.0)
+                self.wait = w if self.wait <= 0.0 else self.wait + WAIT_WEIGHT * (w - self.wait)
+                rec.arrived = 0.0
+            elif progress and rec.since > 0.0 and n > 0 and list(keys[:n]) == rec.keys[:n]:
+                # Only a request that continues the session's chain says when it came
+                # back (a session id that lies about the conversation teaches nothing).
+                self._paused(rec, now)
         if h.session_end:
             ended = self.end(sid)
             return SessionStep(ended=ended)
@@ -126,6 +145,44 @@ class SessionBook:
         else:
             return SessionStep(release=release)
         return SessionStep(release=release, pin=(rec.keys, rec.until, previous))
+
+    def arrive(self, h: Hints, now: float) -> SessionStep:
+        """A request of session ``h.session_id`` arrived at ``now``, to be served later.
+
+        The session is back: its pause is learned now, and the blocks of its
+        last request are pinned until it is likely served (the learned wait,
+        held :data:`HOLD_FACTOR` times over, at least :data:`MIN_HOLD`),
+        superseding its TTL pin. Called again while the request still waits,
+        once that hold has run out, it holds the blocks as long again. The
+        request's own step (:meth:`observe`, once it is served) then pins as
+        usual. Nothing for a session not seen before, one waiting and held,
+        or a request that ends it.
+        """
+        sid = h.session_id
+        if sid is None:
+            raise InternalInvariantError("an arrival needs a request with a session_id")
+        rec = self._sessions.get(sid)
+        if rec is None or not rec.keys or h.session_end:
+            return SessionStep()
+        if rec.arrived > 0.0:
+            if rec.until > now:
+                return SessionStep()
+            # Still waiting (a hold is renewed while its request waits), or a request
+            # that waited was cancelled and another came: the wait counts from the first.
+        else:
+            if rec.since > 0.0:
+                self._paused(rec, now)
+            rec.arrived = now
+        previous = rec.until
+        rec.until = now + max(MIN_HOLD, HOLD_FACTOR * self.wait)
+        return SessionStep(pin=(rec.keys, rec.until, previous))
+
+    def _paused(self, rec: Session, now: float) -> None:
+        """``rec``'s session came back at ``now``: learn its pause (and the stretch)."""
+        pause = now - rec.since
+        if rec.ttl:
+            self._learn(pause / rec.ttl)
+        rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
 
     def end(self, session_id: str) -> Session | None:
         """Forget the session; its record, or None if it is unknown."""

@@ -512,6 +512,7 @@ class Engine:
         if seq.request_id in self.queues:
             raise BadRequestError(f"request id {seq.request_id!r} is already in the engine")
         self.queues.add(seq)
+        self.agents.arrived(seq)
         self.counters.requests_added += 1
         self.counters.prompt_tokens += len(seq.prompt_ids)
 
@@ -612,6 +613,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then run one forward pass over every scheduled sequence."""
         self.poll_background()
+        self.agents.hold_waiting(self.queues.waiting)
         plan = self.scheduler.schedule()
         outs = plan.outputs
         # The step's evictions go down a tier now, in one batch, before the pass
