@@ -206,14 +206,16 @@ def digests(names: Sequence[str], tmp: Path) -> dict[str, str]:
     return {n: decision_digest(*load_case(n, tmp)) for n in names}
 
 
-#: Taken from the implementation before its bookkeeping was made incremental.
+#: Taken from the implementation before its bookkeeping was made incremental; those
+#: of ``synthetic-mixed`` and ``tools-stale`` since pinned shared prefixes outrank
+#: pinned suffixes (a deliberate change of decisions: 0.03% of their hits).
 PINNED: dict[str, str] = {
     "cyclic": "77594179b938d32dd6df5cabb7866637f1cde19655fcc89147551265ef7abff6",
     "cyclic-block": "5421471384fa4b38bea8c3bd4378b0108bc0ee1e4b330c551640445feac6cbee",
     "mooncake": "7b327854119177b9a6d58a730bc92489e2d062783ea5d62b2ef372fc6cd45ce5",
     "mooncake-mixed": "3c9046e7740881f6b16bda33ff52b42f441f237dcbbd187d7b736154745f7e07",
     "synthetic": "396d4f6436061112e4444b706addc9633fd6e01bb3b7c5b42e78748397b19b23",
-    "synthetic-mixed": "eed33437ae1cb3cc95a6f122fc68c668ec6325220a1a6a07b0084538c0ae39ec",
+    "synthetic-mixed": "3363e7a91edaf1b37fd0aa39505cd5bcac3678ccabe9fce2a5ec26b0d456818c",
     "synthetic-mixed-block": "023b7ec2db2a41855d1c1aceb074bf305d75b00114f78adcffea288814edef5d",
     "tools": "186250afa1ef8238825bd0996c64ef5d60980a1215395abe17e69aff7a1638a1",
     "tools-block": "098ff1a17897c256d5f0d9c0a51fb4f9214e04ec26ba53946fa6c5e41f1e05fc",
@@ -221,7 +223,7 @@ PINNED: dict[str, str] = {
     "tools-lying-ttls": "0502519bd3137c8effaaba2b35a1f36c54afab2300b39ae70e138c789f5dd3e6",
     "tools-no-hints": "278f6c3a29e7295bb9b7a9293ea8ee7b7421138c1afa5ba8c8c2d9d9328938c1",
     "tools-seed1": "e3de401715b2aa2600e4f80d0ccdf2620c95376803876af93234c99080aa6665",
-    "tools-stale": "1f60f5be97a1f5037c640344fad0e72c758ea33a35d93992d21e568cb016894a",
+    "tools-stale": "4b3c739c36220fe83baacc24550a0ea98c53d1bdc1a1e4f27668679df23019d7",
 }
 
 

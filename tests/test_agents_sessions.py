@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.agents.sessions import HOLD_FACTOR, MIN_HOLD, WAIT_WEIGHT, SessionBook, SessionStep
+from kvtier.agents.sessions import MIN_HOLD, WAIT_WEIGHT, SessionBook, SessionStep
 from kvtier.errors import InternalInvariantError
 from kvtier.hints import Hints
 
@@ -109,9 +109,9 @@ class SessionBookMachine(RuleBasedStateMachine):
         previous = rec.until
         rec.since, rec.hinted, rec.ttl, rec.keys = self.now, hinted_before, ttl, keys
         if ttl:
-            rec.until = self.now + ttl * stretch
+            rec.until = self.now + ttl * stretch + self.wait
         elif rec.pause > 0.0 and not hinted_before:
-            rec.until = self.now + 2.0 * rec.pause
+            rec.until = self.now + 2.0 * rec.pause + self.wait
         else:
             assert step.pin is None
             return
@@ -131,7 +131,7 @@ class SessionBookMachine(RuleBasedStateMachine):
         self.now += wait
         rec = self.model.get(sid)
         step = self.book.arrive(Hints(session_id=sid, session_end=end or None), self.now)
-        if rec is None or not rec.keys or end or (rec.arrived > 0.0 and rec.until > self.now):
+        if rec is None or not rec.keys or (rec.arrived > 0.0 and rec.until > self.now):
             assert step == SessionStep()
             return
         if rec.arrived <= 0.0 and rec.since > 0.0:
@@ -141,7 +141,7 @@ class SessionBookMachine(RuleBasedStateMachine):
         previous = rec.until
         if rec.arrived <= 0.0:
             rec.arrived = self.now
-        rec.until = self.now + max(MIN_HOLD, HOLD_FACTOR * self.wait)
+        rec.until = self.now + max(MIN_HOLD, self.wait)
         assert step.pin is not None and step.release is None and step.ended is None
         pin_keys, until, replacing = step.pin
         assert list(pin_keys) == rec.keys and replacing == previous
@@ -217,11 +217,16 @@ def test_a_session_comes_back_when_its_request_arrives_not_when_it_is_served() -
     step = book.observe(h, [1, 2, 3, 4], 13.5, True)  # served 10 s later
     assert rec.pause == pytest.approx(2.5) and rec.arrived == 0.0
     assert book.wait == pytest.approx(10.0)
-    assert step.pin == ([1, 2, 3, 4], 13.5 + 2.0, 3.5 + MIN_HOLD)
+    assert step.pin == ([1, 2, 3, 4], 13.5 + 2.0 + 10.0, 3.5 + MIN_HOLD)
     book.observe(h, [1, 2, 3, 4], 14.0, False)
-    # The next arrival is held for as long as requests have been waiting, twice over.
+    # The next arrival is held for as long as requests have been waiting, and a
+    # pause's pin ends that much later too (its request will wait as well).
     step = book.arrive(h, 16.0)
-    assert step.pin is not None and step.pin[1] == pytest.approx(16.0 + HOLD_FACTOR * 10.0)
+    assert step.pin is not None and step.pin[1] == pytest.approx(16.0 + 10.0)
+    step = book.observe(h, [1, 2, 3, 4, 5], 17.0, True)  # served after 1 s this time
+    wait = 10.0 + WAIT_WEIGHT * (1.0 - 10.0)
+    assert book.wait == pytest.approx(wait)
+    assert step.pin is not None and step.pin[1] == pytest.approx(17.0 + 2.0 + wait)
 
 
 def test_a_hold_is_renewed_while_the_request_waits() -> None:
@@ -237,6 +242,8 @@ def test_a_hold_is_renewed_while_the_request_waits() -> None:
     book.observe(h, [7, 8], 5.0, True)
     assert book.wait == pytest.approx(3.0)
     assert book.arrive(Hints(session_id="unknown"), 9.0) == SessionStep()
-    assert book.arrive(Hints(session_id="s", session_end=True), 9.0) == SessionStep()
+    # The last request of a session still needs its blocks: held like any other.
+    step = book.arrive(Hints(session_id="s", session_end=True), 9.0)
+    assert step.pin is not None and step.pin[0] == [7, 8]
     with pytest.raises(InternalInvariantError, match="session_id"):
         book.arrive(Hints(cache_ttl_s=1.0), 9.0)

@@ -26,6 +26,7 @@ from kvtier.agents.ranks import (
     INSERT,
     NEVER,
     PINNED,
+    PINNED_SHARED,
     REMOVE,
     SHARED,
     TIMED,
@@ -173,9 +174,10 @@ class RankClasses:
 
     def _rank(self, key: int) -> int:
         """The class ``key`` belongs in now: its tag, its pin, its agents' distances."""
+        tag = self._tags.get(key)
         if key in self._protected:
-            return PINNED
-        return self._tag_rank(self._tags.get(key), key in self._expiry)
+            return PINNED_SHARED if tag is not None and tag.shared else PINNED
+        return self._tag_rank(tag, key in self._expiry)
 
     def _tag_rank(self, tag: Tag | None, ttl: bool) -> int:
         """The class of an unprotected key tagged ``tag``; ``ttl``: a TTL pins it."""
@@ -218,7 +220,9 @@ class RankClasses:
         protected = self._protected
         expiry = self._expiry
         return [
-            PINNED if k in protected else of_tag[t][k in expiry]
+            (PINNED_SHARED if t is not None and t.shared else PINNED)
+            if k in protected
+            else of_tag[t][k in expiry]
             for k, t in zip(keys, found, strict=True)
         ]
 

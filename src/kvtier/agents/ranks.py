@@ -34,9 +34,13 @@ DYNAMIC = 2
 WAITING = DYNAMIC + FAR + 1
 #: Shared prefixes take ranks SHARED .. SHARED + FAR.
 SHARED = WAITING + 1
-#: TTL-pinned keys within the pin cap: evicted last.
+#: TTL-pinned keys within the pin cap: evicted last of the keys one session uses.
 PINNED = 3 * FAR + 10
-TIMED = frozenset((WAITING, PINNED))
+#: TTL-pinned keys within the pin cap that other sessions or agents use too: evicted
+#: last of all. A shared prefix is the parent of every pinned chain that continues
+#: it, and a chain is found from its root: evicting it would lose them all.
+PINNED_SHARED = PINNED + 1
+TIMED = frozenset((WAITING, PINNED, PINNED_SHARED))
 #: Owners one key remembers at most (a block shared more widely is shared anyway).
 MAX_OWNERS = 8
 #: A class call a batch decided (see :meth:`ByReturn.replay`): ``(REMOVE | INSERT |

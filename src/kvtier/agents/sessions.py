@@ -15,7 +15,8 @@ with the session's TTL pins, as data (:class:`SessionStep`):
 * hold a session's blocks while its next request waits to be served
   (:meth:`SessionBook.arrive`): a request that has arrived is due as soon as
   the queue before it drains, so its session's pin moves to then, an
-  estimate learned from how long requests have waited. A session returns
+  estimate learned from how long requests have waited (and a paused
+  session's pin ends that much after its pause: it will wait too). A session returns
   when its request arrives, not when it is served, so the pauses (and the
   stretch) are learned from arrivals: a busy server's queue does not make
   its sessions' tools look slow.
@@ -38,8 +39,6 @@ RATIOS = 512
 _RELEARN = 32
 #: Seconds a waiting request's session is held at least, past the learned wait.
 MIN_HOLD = 1.0
-#: The hold is this many times the learned wait (most waits are shorter).
-HOLD_FACTOR = 2.0
 #: Weight of the newest wait in the learned wait (an exponential mean).
 WAIT_WEIGHT = 0.2
 
@@ -138,10 +137,11 @@ class SessionBook:
         rec.ttl = h.cache_ttl_s
         rec.keys = list(keys)
         previous = rec.until
+        # Due when it is served: back after its pause, then as long as requests wait.
         if h.cache_ttl_s:
-            rec.until = now + h.cache_ttl_s * self.stretch
+            rec.until = now + h.cache_ttl_s * self.stretch + self.wait
         elif rec.pause > 0.0 and not hinted_before:
-            rec.until = now + 2.0 * rec.pause  # no hint: its own pauses so far
+            rec.until = now + 2.0 * rec.pause + self.wait  # no hint: its own pauses so far
         else:
             return SessionStep(release=release)
         return SessionStep(release=release, pin=(rec.keys, rec.until, previous))
@@ -150,19 +150,20 @@ class SessionBook:
         """A request of session ``h.session_id`` arrived at ``now``, to be served later.
 
         The session is back: its pause is learned now, and the blocks of its
-        last request are pinned until it is likely served (the learned wait,
-        held :data:`HOLD_FACTOR` times over, at least :data:`MIN_HOLD`),
-        superseding its TTL pin. Called again while the request still waits,
+        last request are pinned until it is likely served (the learned mean
+        wait, at least :data:`MIN_HOLD`), superseding its TTL pin: due sooner
+        than any session still paused, which will wait its turn too. Called again while the request still waits,
         once that hold has run out, it holds the blocks as long again. The
         request's own step (:meth:`observe`, once it is served) then pins as
-        usual. Nothing for a session not seen before, one waiting and held,
-        or a request that ends it.
+        usual (a request that ends the session ends it then: it still needs
+        the session's blocks). Nothing for a session not seen before, or one
+        waiting and held.
         """
         sid = h.session_id
         if sid is None:
             raise InternalInvariantError("an arrival needs a request with a session_id")
         rec = self._sessions.get(sid)
-        if rec is None or not rec.keys or h.session_end:
+        if rec is None or not rec.keys:
             return SessionStep()
         if rec.arrived > 0.0:
             if rec.until > now:
@@ -174,7 +175,7 @@ class SessionBook:
                 self._paused(rec, now)
             rec.arrived = now
         previous = rec.until
-        rec.until = now + max(MIN_HOLD, HOLD_FACTOR * self.wait)
+        rec.until = now + max(MIN_HOLD, self.wait)
         return SessionStep(pin=(rec.keys, rec.until, previous))
 
     def _paused(self, rec: Session, now: float) -> None:
