@@ -102,6 +102,20 @@ class TtlPins:
         """Size units TTL pins protect now."""
         return self._protected_used
 
+    def pin_ends(self, keys: Sequence[int]) -> dict[int, float]:
+        """Of ``keys``, those pinned until later than now, with when their pin ends.
+
+        Resident or not: a pinned block the device evicted keeps its pin, and
+        the tiers below carry it (:class:`~kvtier.policy.base.PinSource`).
+        Protected or waiting past the cap alike. Changes nothing.
+        """
+        expiry = self._expiry
+        if not expiry:
+            return {}
+        now = self._now if self.clock is None else max(self.clock(), self._now)
+        get = expiry.get
+        return {k: u for k in keys if (u := get(k, now)) > now}
+
     def pin_for(self, keys: Iterable[int], until: float, replacing: float | None = None) -> None:
         """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go.
 

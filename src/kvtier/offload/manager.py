@@ -22,6 +22,18 @@ the transfer engine move bytes between the slots it hands out. The protocol:
   first ``num_hit`` of them ready here); passed to a request-aware policy
   with the manager's clock, ignored otherwise.
 
+Retention pins (a session's ``cache_ttl_s`` on the device, carried down as
+the blocks are demoted) come as data: ``prepare_store(keys, pins)`` and
+``set_pins(pins)`` map keys to when their pin ends on the manager's clock.
+The manager keeps ``key -> end`` for the keys it holds. When it must evict,
+unpinned keys go first, in the policy's order; only when they are not
+enough do pinned ones go, the pin that ends latest first (a TTL says when
+the session is back, and MIN keeps what is due soonest). A pin lapses when
+the clock reaches its end (the key rejoins the policy's order as a release
+does); ``remove`` drops the pin with the key. A ready key with a pin (and
+no load) is pinned in the policy, so its victims are never pinned keys and
+nothing is scanned; without pins nothing of this costs anything.
+
 Any policy of :mod:`kvtier.policy` decides evictions: ready keys are its
 resident keys; a key being loaded is pinned in it; pending keys are not in it
 until their store completes, so they can never be chosen.
@@ -29,13 +41,18 @@ until their store completes, so they can never be chosen.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
 from kvtier.policy.base import EvictionPolicy, admit_chain, request_hook
 from kvtier.policy.registry import make_policy
+
+#: No pins (the ``evicted_pins`` of a store that evicted no pinned key).
+_NO_PINS: Mapping[int, float] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +67,8 @@ class PrepareStoreOutput:
     evicted_keys: list[int]
     #: The slots the evicted keys occupied, aligned with ``evicted_keys``.
     evicted_slots: list[int]
+    #: The retention pins the evicted keys had (key -> end), for the tier below.
+    evicted_pins: Mapping[int, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +118,17 @@ class OffloadingManager:
         self.evictions = 0
         self.declined = 0
         self.store_rejections = 0
+        #: Evictions of keys whose retention pin had not ended (no unpinned key was left).
+        self.pinned_evictions = 0
+        # Retention pins of held keys: key -> when the pin ends (the manager's clock).
+        self._pins: dict[int, float] = {}
+        # Ready keys with a pin and no load: pinned in the policy for their pin.
+        self._pin_evictable = 0
+        # The pins, soonest end first and latest end first (``(end, seq, key)`` and
+        # ``(-end, seq, key)``); an entry whose end is not its key's pin is stale.
+        self._ends: list[tuple[float, int, int]] = []
+        self._latest: list[tuple[float, int, int]] = []
+        self._seq = 0
 
     # -- introspection -------------------------------------------------------------
     def __len__(self) -> int:
@@ -129,6 +159,126 @@ class OffloadingManager:
     def num_free(self) -> int:
         """Slots no key holds."""
         return len(self._free)
+
+    # -- retention pins ------------------------------------------------------------------
+    def pin_end(self, key: int) -> float | None:
+        """When ``key``'s retention pin ends, or ``None`` (no pin, or it ended)."""
+        if self._pins:
+            self.expire()
+        return self._pins.get(key)
+
+    def pins(self) -> dict[int, float]:
+        """The retention pins of the keys held here (key -> end) that have not ended."""
+        if not self._pins:
+            return {}
+        self.expire()
+        return dict(self._pins)
+
+    @property
+    def num_pinned(self) -> int:
+        """Keys held here whose retention pin has not ended."""
+        if not self._pins:
+            return 0
+        self.expire()
+        return len(self._pins)
+
+    def set_pins(self, pins: Mapping[int, float]) -> None:
+        """Pin the keys of ``pins`` this tier holds until their ends (replacing a pin
+        they had); keys it does not hold and ends not later than now are ignored."""
+        if not pins:
+            return
+        now = self.clock()
+        self._expire(now)
+        entries = self._entries
+        own = self._pins
+        policy = self.policy
+        ends = self._ends
+        latest = self._latest
+        push = heapq.heappush
+        seq = self._seq
+        for key, until in pins.items():
+            if until <= now:
+                continue
+            e = entries.get(key)
+            if e is None:
+                continue
+            old = own.get(key)
+            if old == until:
+                continue
+            own[key] = until
+            seq += 1
+            push(ends, (until, seq, key))
+            push(latest, (-until, seq, key))
+            if old is None and e.ready and e.ref == 0:
+                policy.pin(key)
+                self._pin_evictable += 1
+        self._seq = seq
+        if len(ends) > 4 * len(own) + 64:
+            self._rebuild_pins()
+
+    def expire(self) -> int:
+        """Drop the retention pins that ended by the manager's clock; returns how many."""
+        return self._expire(self.clock()) if self._pins else 0
+
+    def _expire(self, now: float) -> int:
+        ends = self._ends
+        own = self._pins
+        n = 0
+        while ends and ends[0][0] <= now:
+            until, _, key = heapq.heappop(ends)
+            if own.get(key) != until:
+                continue  # stale: the pin was replaced or dropped
+            del own[key]
+            n += 1
+            e = self._entries[key]
+            if e.ready and e.ref == 0:
+                self.policy.unpin(key)  # rejoins the order, as a release does
+                self._pin_evictable -= 1
+        return n
+
+    def _drop_pin(self, key: int, e: _Entry) -> None:
+        """Forget ``key``'s pin (it leaves the tier); the policy is the caller's."""
+        del self._pins[key]
+        if e.ready and e.ref == 0:
+            self._pin_evictable -= 1
+
+    def _rebuild_pins(self) -> None:
+        """Both orders of pins without their stale entries."""
+        own = self._pins
+        self._ends = [x for x in self._ends if own.get(x[2]) == x[0]]
+        heapq.heapify(self._ends)
+        self._latest = [x for x in self._latest if own.get(x[2]) == -x[0]]
+        heapq.heapify(self._latest)
+
+    def _latest_pinned(self, n: int, keep: set[int]) -> list[int]:
+        """``n`` pinned ready keys no load holds and not in ``keep``, the pin that ends
+        latest first (ties: pinned first); there must be that many. Changes no pin."""
+        latest = self._latest
+        own = self._pins
+        entries = self._entries
+        out: list[int] = []
+        chosen: set[int] = set()
+        aside: list[tuple[float, int, int]] = []
+        pop = heapq.heappop
+        while len(out) < n:
+            if not latest:
+                raise InternalInvariantError(
+                    f"{n} pinned victims wanted on the {self.medium} tier, {len(out)} found"
+                )
+            item = pop(latest)
+            key = item[2]
+            if own.get(key) != -item[0]:
+                continue  # stale
+            aside.append(item)
+            e = entries[key]
+            if key in chosen or key in keep or not e.ready or e.ref:
+                continue
+            chosen.add(key)
+            out.append(key)
+        for item in aside:
+            if item[2] not in chosen:
+                heapq.heappush(latest, item)
+        return out
 
     def on_request(
         self,
@@ -168,10 +318,14 @@ class OffloadingManager:
                 )
             found.append(e)
         policy = self.policy
+        own = self._pins
         for key, e in zip(keys, found, strict=True):
             e.ref += 1
             if e.ref == 1:
-                policy.pin(key)
+                if own and key in own:
+                    self._pin_evictable -= 1  # pinned in the policy already, for its pin
+                else:
+                    policy.pin(key)
         return [e.slot for e in found]
 
     def touch(self, keys: Sequence[int]) -> None:
@@ -203,20 +357,32 @@ class OffloadingManager:
                 if entries[key].ref < c:
                     raise BadRequestError(f"complete_load unpins block {key:#x} more than pinned")
         policy = self.policy
+        own = self._pins
         for key in keys:
             e = entries[key]
             e.ref -= 1
             if e.ref == 0:
-                policy.unpin(key)
+                if own and key in own:
+                    self._pin_evictable += 1  # stays pinned in the policy for its pin
+                else:
+                    policy.unpin(key)
 
     # -- stores --------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[int]) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Sequence[int], pins: Mapping[int, float] | None = None
+    ) -> PrepareStoreOutput | None:
         """Reserve slots for the keys not held yet; ``None``, changing nothing, if no room.
 
         A declined key (admission) ends what is stored: see :func:`admit_chain`.
+        ``pins`` maps keys of the call to when their retention pin ends; once
+        room is made they carry it here (see :meth:`set_pins`). Pins that ended
+        are dropped first (the clock's doing, not the call's).
         """
         entries = self._entries
         policy = self.policy
+        own = self._pins
+        if own:
+            self._expire(self.clock())
         new: list[int] = []
         held: list[int] = []
         seen: set[int] = set()
@@ -236,32 +402,58 @@ class OffloadingManager:
                 new = new[:cut]
         need = len(new) - len(self._free)
         victims: list[int] = []
+        pinned_victims: list[int] = []
         if need > 0:
-            # Checked before the policy is touched, so a refusal changes nothing.
-            if policy.num_evictable - len(held) < need:
+            # Held keys of this call with a pin are pinned in the policy already.
+            unpinned_held = [k for k in held if k not in own] if own else held
+            take = need
+            if own:
+                # Unpinned keys first; then the pins that end latest.
+                take = min(need, policy.num_evictable - len(unpinned_held))
+                spare = self._pin_evictable - (len(held) - len(unpinned_held))
+                # Checked before anything is touched, so a refusal changes nothing.
+                if take + spare < need:
+                    self.store_rejections += 1
+                    return None
+                if take < need:
+                    pinned_victims = self._latest_pinned(need - take, set(held))
+            elif policy.num_evictable - len(held) < need:
                 self.store_rejections += 1
                 return None
-            # Keys of this call that are already held must survive it: pinned
-            # while victims are chosen (unpinning counts as a use for them).
-            policy.pin_many(held)
-            try:
-                victims = policy.evict_many(need)
-                if len(victims) != need:
-                    raise InternalInvariantError(
-                        f"policy gave {len(victims)} victims of {need} on the {self.medium} tier"
-                    )
-            finally:
-                policy.unpin_many(held)
+            if take > 0:
+                # Keys of this call that are already held must survive it: pinned
+                # while victims are chosen (unpinning counts as a use for them).
+                policy.pin_many(unpinned_held)
+                try:
+                    victims = policy.evict_many(take)
+                    if len(victims) != take:
+                        raise InternalInvariantError(
+                            f"policy gave {len(victims)} victims of {take} on the "
+                            f"{self.medium} tier"
+                        )
+                finally:
+                    policy.unpin_many(unpinned_held)
         free = self._free
         evicted_slots: list[int] = []
         for key in victims:
             e = entries.pop(key, None)
-            if e is None or e.ref or not e.ready:
+            if e is None or e.ref or not e.ready or (own and key in own):
                 raise InternalInvariantError(
                     f"policy evicted block {key:#x}, which is not an unpinned ready key"
                 )
             evicted_slots.append(e.slot)
             free.append(e.slot)
+        evicted_pins: Mapping[int, float] = _NO_PINS
+        if pinned_victims:
+            evicted_pins = {k: own[k] for k in pinned_victims}
+            for key in pinned_victims:
+                e = entries.pop(key)
+                policy.remove(key)
+                self._drop_pin(key, e)
+                evicted_slots.append(e.slot)
+                free.append(e.slot)
+            victims.extend(pinned_victims)
+            self.pinned_evictions += len(pinned_victims)
         slots: list[int] = []
         for key in new:
             slot = free.pop()
@@ -270,11 +462,16 @@ class OffloadingManager:
         if victims:
             self.evictions += len(victims)
             self._emit(victims, removed=True)
-        return PrepareStoreOutput(new, slots, victims, evicted_slots)
+        if pins:
+            self.set_pins({k: u for k, u in pins.items() if k in seen})
+        return PrepareStoreOutput(new, slots, victims, evicted_slots, evicted_pins)
 
     def complete_store(self, keys: Sequence[int], success: bool = True) -> None:
         """Finish stores :meth:`prepare_store` reserved; keys already ready are ignored."""
         entries = self._entries
+        own = self._pins
+        if own:
+            self._expire(self.clock())
         done: list[int] = []
         for key in keys:
             e = entries.get(key)
@@ -284,11 +481,20 @@ class OffloadingManager:
                 e.ready = True
                 done.append(key)
             else:
+                if own and key in own:
+                    self._drop_pin(key, e)
                 del entries[key]
                 self._free.append(e.slot)
                 self.failed_stores += 1
         if done:
-            self.policy.insert_many(done)
+            pinned = [k for k in done if k in own] if own else None
+            if pinned:
+                # Keys stored with a pin join the policy pinned for it.
+                self.policy.insert_many([k for k in done if k not in own])
+                self.policy.insert_many(pinned, pinned=True)
+                self._pin_evictable += len(pinned)
+            else:
+                self.policy.insert_many(done)
             self.stores += len(done)
             self._emit(done, removed=False)
 
@@ -310,12 +516,15 @@ class OffloadingManager:
     def remove(self, keys: Sequence[int]) -> list[int]:
         """Drop ready, unpinned ``keys`` (corrupt or vanished payloads); returns those dropped."""
         entries = self._entries
+        own = self._pins
         dropped: list[int] = []
         for key in keys:
             e = entries.get(key)
             if e is None or not e.ready or e.ref:
                 continue
             self.policy.remove(key)
+            if own and key in own:
+                self._drop_pin(key, e)  # a released block takes its pin with it
             del entries[key]
             self._free.append(e.slot)
             dropped.append(key)
@@ -362,14 +571,31 @@ class OffloadingManager:
                 f"policy counts {policy.used} used but the tier has {len(ready)} ready blocks"
             )
         evictable = 0
+        pin_evictable = 0
+        own = self._pins
         for key, e in entries.items():
             if e.ref < 0 or (e.ref and not e.ready):
                 raise InternalInvariantError(f"block {key:#x} has a bad pin count {e.ref}")
             if e.ready:
                 if key not in policy:
                     raise InternalInvariantError(f"ready block {key:#x} is not in the policy")
-                evictable += e.ref == 0
+                if e.ref == 0:
+                    if key in own:
+                        pin_evictable += 1
+                    else:
+                        evictable += 1
         if policy.num_evictable != evictable:
             raise InternalInvariantError(
                 f"policy counts {policy.num_evictable} evictable keys, tier has {evictable}"
             )
+        if self._pin_evictable != pin_evictable:
+            raise InternalInvariantError(
+                f"{self._pin_evictable} pinned keys counted evictable, tier has {pin_evictable}"
+            )
+        soonest = {(u, k) for u, _, k in self._ends}
+        latest = {(-u, k) for u, _, k in self._latest}
+        for key, until in own.items():
+            if key not in entries:
+                raise InternalInvariantError(f"block {key:#x} has a pin but is not held")
+            if (until, key) not in soonest or (until, key) not in latest:
+                raise InternalInvariantError(f"the pin of block {key:#x} is missing from an order")

@@ -51,6 +51,14 @@ pays one comparison per insert and one emptiness test per eviction.
   keys inserted; :func:`request_hook` returns ``None`` for policies that do
   not override it, so owners skip the call.
 
+* ``pin_ends(keys)`` (optional, :class:`PinSource`): of ``keys``, those a
+  retention pin keeps until a time later than now (the owner's clock), with
+  that time: the workflow policy's ``cache_ttl_s`` pins. Read-only data for
+  the levels below: the tier chain passes each demoted key's pin end down,
+  and every tier keeps a pinned block ahead of unpinned ones until its pin
+  ends. :func:`pin_ends_of` returns ``None`` for policies without pins, so
+  owners skip the call (a policy has no pins by default).
+
 Pinned keys are held outside the candidate order, so skipping them costs
 nothing and ``evict`` never scans. Policies may keep history about keys that
 are no longer resident (ARC's ghost lists, LFU counts) but must bound it.
@@ -365,3 +373,29 @@ def request_hook(policy: object) -> RequestHook | None:
     if not callable(hook) or getattr(type(policy), "on_request", None) is PolicyBase.on_request:
         return None
     return hook  # type: ignore[no-any-return]
+
+
+#: ``pin_ends``'s signature: of some keys, the pinned ones, each with when its pin ends.
+PinEnds = Callable[[Sequence[int]], dict[int, float]]
+
+
+@runtime_checkable
+class PinSource(Protocol):
+    """A policy whose keys may be pinned until a time (see the module docs).
+
+    ``pin_ends(keys)`` returns, of ``keys``, those pinned until later than
+    now on the owner's clock, mapped to the pin's end; a key the level no
+    longer holds keeps its pin (the levels below carry it). It changes
+    nothing.
+    """
+
+    def pin_ends(self, keys: Sequence[int]) -> dict[int, float]: ...
+
+
+def pin_ends_of(policy: object) -> PinEnds | None:
+    """``policy.pin_ends`` (or that of the policy an admission wrapper holds as
+    ``.policy``), or ``None`` when the policy keeps no pins."""
+    for candidate in (policy, getattr(policy, "policy", None)):
+        if isinstance(candidate, PinSource):
+            return candidate.pin_ends
+    return None
