@@ -10,12 +10,13 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
     initialize,
     invariant,
     precondition,
     rule,
 )
+from test_offload_manager import OffloadMachine
+from test_offload_manager import state as manager_state
 
 from kvtier.offload import OffloadingManager
 from kvtier.policy import available_policies
@@ -33,12 +34,10 @@ class Clock:
 def state(m: OffloadingManager) -> dict[str, Any]:
     """Everything the manager keeps, its pins and its policy's whole state included."""
     return {
-        "entries": sorted((k, e.slot, e.ready, e.ref) for k, e in m._entries.items()),
-        "free": list(m._free),
-        "policy": m.policy.snapshot(),
+        **manager_state(m),
         "pins": sorted(m._pins.items()),
         "pin_evictable": m._pin_evictable,
-        "counters": (m.stores, m.failed_stores, m.evictions, m.declined, m.pinned_evictions),
+        "pinned_evictions": m.pinned_evictions,
     }
 
 
@@ -162,22 +161,22 @@ def test_a_policy_without_pins_has_no_pin_source() -> None:
 # -- the stateful model check ------------------------------------------------------------
 
 
-class PinMachine(RuleBasedStateMachine):
-    """Stores with pins, loads, removals and the clock against a model of the pins."""
-
-    policy_name = "lru"
+class PinMachine(OffloadMachine):
+    """:class:`OffloadMachine`'s rules and invariants, with pins, stores that carry them
+    and the clock, against a model of the pins."""
 
     @initialize(
         capacity=st.integers(1, 5),
         fill=st.lists(st.none() | st.integers(1, 8), max_size=5),
     )
-    def setup(self, capacity: int, fill: list[int | None]) -> None:
+    def setup(self, capacity: int, fill: list[int | None]) -> None:  # type: ignore[override]
         self.clock = Clock()
         self.m = OffloadingManager(capacity, self.policy_name, clock=self.clock)
         self.capacity = capacity
         self.ready: set[int] = set()
         self.pending: set[int] = set()
         self.loads: dict[int, int] = {}
+        self.events_ready: set[int] = set()
         #: The model's pins of held keys: key -> end (only ends later than now).
         self.pins: dict[int, float] = {}
         # Start full, or nearly, so that stores evict: keys 20.. some of them pinned.
@@ -209,7 +208,9 @@ class PinMachine(RuleBasedStateMachine):
         ends=st.lists(st.none() | st.integers(0, 8), min_size=4, max_size=4),
         complete=st.booleans(),
     )
-    def prepare_store(self, keys: list[int], ends: list[int | None], complete: bool) -> None:
+    def prepare_store(  # type: ignore[override]
+        self, keys: list[int], ends: list[int | None], complete: bool
+    ) -> None:
         self._store(keys, ends, complete)
 
     @rule(n=st.integers(1, 3), ends=st.lists(st.none() | st.integers(0, 8), min_size=3, max_size=3))
@@ -270,51 +271,27 @@ class PinMachine(RuleBasedStateMachine):
         self.m.set_pins(pins)
         self._apply(pins)
 
+    # A failed store and a removal take the pins of the keys they drop along.
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data(), success=st.booleans())
     def complete_store(self, data: st.DataObject, success: bool) -> None:
-        keys = data.draw(st.lists(st.sampled_from(sorted(self.pending)), min_size=1, unique=True))
-        self.m.complete_store(keys, success)
-        for k in keys:
-            self.pending.discard(k)
-            if success:
-                self.ready.add(k)
-            else:
-                self.pins.pop(k, None)
-
-    @precondition(lambda self: bool(self.ready))
-    @rule(data=st.data())
-    def prepare_load(self, data: st.DataObject) -> None:
-        keys = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=3))
-        self.m.prepare_load(keys)
-        for k in keys:
-            self.loads[k] = self.loads.get(k, 0) + 1
-
-    @precondition(lambda self: any(self.loads.values()))
-    @rule(data=st.data())
-    def complete_load(self, data: st.DataObject) -> None:
-        k = data.draw(st.sampled_from(sorted(k for k, n in self.loads.items() if n)))
-        self.m.complete_load([k])
-        self.loads[k] -= 1
-
-    @rule(keys=st.lists(st.integers(0, 24), max_size=4))
-    def touch(self, keys: list[int]) -> None:
-        self.m.touch(keys)
+        super().complete_store(data, success)
+        self._forget_gone()
 
     @rule(keys=st.lists(st.integers(0, 24), max_size=4))
     def remove(self, keys: list[int]) -> None:
-        expected = [k for k in dict.fromkeys(keys) if k in self.ready and not self.loads.get(k)]
-        assert self.m.remove(keys) == expected
-        self.ready.difference_update(expected)
-        for k in expected:
-            self.pins.pop(k, None)
+        super().remove(keys)
+        self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        held = self.ready | self.pending
+        self.pins = {k: u for k, u in self.pins.items() if k in held}
 
     @invariant()
-    def consistent(self) -> None:
+    def pins_match(self) -> None:
         if not hasattr(self, "m"):
             return
         self.m.check()
-        assert set(self.m.ready_keys()) == self.ready
         # The pinned count is the number of held keys whose pin ends later than now.
         assert self.m.pins() == self.pins
         assert self.m.num_pinned == len(self.pins)
