@@ -12,11 +12,12 @@ prefetch is on (:meth:`enable_prefetch`; it needs tiers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState
+from kvtier.agents.pinstats import TOP_SESSIONS, pin_report
 from kvtier.agents.policy import workflow_policy_of
 from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
 from kvtier.agents.tracker import WorkflowTracker
@@ -151,6 +152,23 @@ class AgentSupport:
             return
         keys = self._release_later + self.policy.take_released()
         self._release_later = chain.release(keys) if keys else []
+
+    def pin_stats(
+        self,
+        *,
+        top: int = TOP_SESSIONS,
+        keep: Callable[[str], bool] | None = None,
+        shown: Callable[[str], str] | None = None,
+    ) -> dict[str, Any] | None:
+        """Blocks retention pins keep on the device and each tier, in all and for the
+        ``top`` sessions that pinned the most (:func:`~kvtier.agents.pinstats.pin_report`);
+        ``None`` without the workflow policy. Call it on the engine thread."""
+        if self.policy is None:
+            return None
+        chain = self.engine.tier_chain
+        tiers = chain.pins() if chain is not None else {}
+        now = self.engine.manager.clock()
+        return pin_report(self.policy, tiers, now, top=top, keep=keep, shown=shown)
 
     def enable_prefetch(self, lookahead: int = 2, max_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
         """Prefetch blocks of agents due within ``lookahead`` steps (needs tiers)."""

@@ -116,6 +116,16 @@ class TtlPins:
         get = expiry.get
         return {k: u for k in keys if (u := get(k, now)) > now}
 
+    def resident_pins(self) -> dict[int, float]:
+        """The pins of resident keys that end later than now (key -> end), protected or
+        waiting past the cap alike."""
+        expiry = self._expiry
+        if not expiry:
+            return {}
+        now = self._now if self.clock is None else max(self.clock(), self._now)
+        resident = self._resident
+        return {k: u for k, u in expiry.items() if u > now and k in resident}
+
     def pin_for(self, keys: Iterable[int], until: float, replacing: float | None = None) -> None:
         """Protect ``keys`` until ``until`` (the owner's clock); past the cap, latest pins go.
 

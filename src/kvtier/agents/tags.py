@@ -124,6 +124,12 @@ class HintTags:
 
         def _move(self, key: int) -> None: ...
 
+    def sessions_of(self, keys: Iterable[int]) -> dict[int, str]:
+        """The session that first used each of ``keys``, for those whose tag is remembered
+        and names one."""
+        get = self._tags.get
+        return {k: t.session for k in keys if (t := get(k)) is not None and t.session is not None}
+
     def _depth(self, key: int) -> int:
         return self._depth_of.get(key, 0)
 

@@ -27,6 +27,14 @@
   on a pool meanwhile); writes to disk and Redis run on the transfer engine from a
   snapshot, overlapping with the forward pass, and become loadable when they
   complete (:meth:`poll`).
+* **Retention pins**: when the device's policy pins blocks until a time
+  (:class:`~kvtier.policy.base.PinSource`: the workflow policy's
+  ``cache_ttl_s``), a demoted block carries its pin's end to every tier that
+  holds it, and what a tier evicts goes down with the pin it had. Each
+  tier evicts unpinned blocks first, then the pins that end latest; a pin
+  lapses on the device's clock (the tiers read it too), and :meth:`release`
+  drops it with the block. :meth:`pins` lists each tier's; :meth:`stats`
+  counts them.
 * **Swap**: :meth:`swap_out` stores a paused request's blocks, its partial
   last block included, on the first tier and frees them on the device;
   :meth:`swap_in` brings them back.
@@ -75,9 +83,13 @@ from kvtier.offload.promote import LoadBatch, PendingLoad, Reader, install, plan
 from kvtier.offload.swap import SwappedRequest
 from kvtier.offload.tier import Tier, write_mode_of
 from kvtier.offload.transfer import TransferEngine, TransferResult
+from kvtier.policy.base import pin_ends_of
 from kvtier.storage import KVBlockStorage
 
 log = logging.getLogger("kvtier.offload")
+
+#: No retention pins (shared, never written).
+_NO_PINS: dict[int, float] = {}
 
 
 class TierChain:
@@ -142,11 +154,19 @@ class TierChain:
         self.defer_demotions = False
         #: Which device evictions the first tier writes (:mod:`kvtier.offload.admission`).
         self.admission = self._make_admission(tier_admission)
-        self._demotions: list[tuple[list[int], list[int]]] = []
+        #: Queued device evictions: keys, blocks and the pins they carry.
+        self._demotions: list[tuple[list[int], list[int], dict[int, float]]] = []
         #: Told ``(tier name, blocks, bytes, seconds)`` after each whole batch a load read
         #: and installed (a cost model learns each tier's bandwidth and latency from it).
         self.on_load: Callable[[str, int, int, float], None] | None = None
-        if self.tiers[0].writes_back:
+        #: The device policy's retention pins (``None``: it keeps none), read as data when
+        #: blocks leave the device.
+        self._pin_ends = pin_ends_of(device_manager.policy)
+        if self._pin_ends is not None:
+            for tier in self.tiers:
+                # One clock for the chain: the device's pins end on the device's clock.
+                tier.offload_manager.clock = lambda: device_manager.clock()
+        if self.tiers[0].writes_back or self._pin_ends is not None:
             device_manager.add_evict_listener(self._on_device_evict)
 
     # -- restart ---------------------------------------------------------------------
@@ -453,23 +473,39 @@ class TierChain:
         pool's ``allocate`` does no copy) and :meth:`demote_pending` copies a
         step's evictions in one batch before anything writes those blocks.
         """
+        pins = self._pin_ends(keys) if self._pin_ends is not None else _NO_PINS
+        if pins:
+            # Tiers that hold these blocks already (write-through, or an earlier
+            # demotion) keep them pinned as the device did.
+            self._pin_held(pins)
+        if not self.tiers[0].writes_back:
+            return
         if type(self.admission) is not WriteAll:
             keys, blocks = self._admit(keys, blocks)
             if not keys:
                 return
         if self.defer_demotions:
-            self._demotions.append((list(keys), list(blocks)))
+            self._demotions.append((list(keys), list(blocks), pins))
             return
-        self._demote(list(keys), list(blocks))
+        self._demote(list(keys), list(blocks), pins)
 
-    def _demote(self, keys: list[int], blocks: list[int]) -> None:
+    def _pin_held(self, pins: dict[int, float]) -> None:
+        """Pin the blocks of ``pins`` on every tier that holds them (key -> end)."""
+        try:
+            with self._lock:
+                for tier in self.tiers:
+                    tier.offload_manager.set_pins(pins)
+        except Exception:  # bookkeeping of pins must never break the pool's eviction
+            log.exception("pinning %d demoted blocks on the tiers failed", len(pins))
+
+    def _demote(self, keys: list[int], blocks: list[int], pins: dict[int, float]) -> None:
         try:
             with self._lock:
                 learning = type(self.admission) is not WriteAll
                 if learning:
                     mgr = self.tiers[0].offload_manager
                     new = [k for k in keys if k not in mgr]
-                self._demoter.store_blocks(0, keys, blocks)
+                self._demoter.store_blocks(0, keys, blocks, pins=pins or None)
                 if learning:
                     stored = [k for k in new if k in mgr]
                     if stored:
@@ -481,7 +517,7 @@ class TierChain:
     @property
     def demotions_pending(self) -> int:
         """Evicted device blocks queued for :meth:`demote_pending`."""
-        return sum(len(keys) for keys, _ in self._demotions)
+        return sum(len(keys) for keys, _, _ in self._demotions)
 
     def demote_pending(self) -> int:
         """Copy the queued device evictions to the first tier; returns how many blocks.
@@ -493,9 +529,13 @@ class TierChain:
         if not self._demotions:
             return 0
         queued, self._demotions = self._demotions, []
-        keys = [k for ks, _ in queued for k in ks]
-        blocks = [b for _, bs in queued for b in bs]
-        self._demote(keys, blocks)
+        keys = [k for ks, _, _ in queued for k in ks]
+        blocks = [b for _, bs, _ in queued for b in bs]
+        pins: dict[int, float] = _NO_PINS
+        for _, _, p in queued:
+            if p:
+                pins = p if not pins else {**pins, **p}
+        self._demote(keys, blocks, pins)
         return len(keys)
 
     @property
@@ -628,10 +668,13 @@ class TierChain:
         return self._lock
 
     def store_blocks(self, t: int, keys: Sequence[int], blocks: Sequence[int]) -> None:
-        """Store device ``blocks`` under ``keys`` on tier ``t`` now (cascading what it evicts)."""
+        """Store device ``blocks`` under ``keys`` on tier ``t`` now (cascading what it evicts),
+        with the pins the device's policy has on them."""
+        keys = list(keys)
+        pins = self._pin_ends(keys) if self._pin_ends is not None else None
         with self._lock:
             self._poll_locked()
-            self._demoter.store_blocks(t, list(keys), list(blocks), cascade=True)
+            self._demoter.store_blocks(t, keys, list(blocks), cascade=True, pins=pins or None)
 
     def load_block(self, t: int, key: int, block: int, *, consume: bool = False) -> bool:
         """Load the item under ``key`` on tier ``t`` (adopted from a shared medium if another
@@ -730,6 +773,9 @@ class TierChain:
                 d["capacity_blocks"] = tier.capacity
                 d["used_blocks"] = len(tier.offload_manager)
                 d["evictions"] = tier.offload_manager.evictions
+                # Blocks a retention pin keeps (until it ends), and pins it had to evict.
+                d["pinned_blocks"] = tier.offload_manager.num_pinned
+                d["pinned_evictions"] = tier.offload_manager.pinned_evictions
                 # Against the pool's own block size: what the codec saves.
                 stored = tier.fmt.payload_size if tier.fmt is not None else device_bytes
                 d["compression_ratio"] = device_bytes / stored
@@ -738,6 +784,11 @@ class TierChain:
                     d["admission_skipped_blocks"] = self.admission.skipped
                 out[tier.name] = d
             return out
+
+    def pins(self) -> dict[str, dict[int, float]]:
+        """Per tier, its blocks' retention pins that have not ended (key -> end)."""
+        with self._lock:
+            return {tier.name: tier.offload_manager.pins() for tier in self.tiers}
 
     def check(self) -> None:
         with self._lock:

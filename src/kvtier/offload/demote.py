@@ -8,12 +8,15 @@ write-back tier, and writes either at once (memory media) or in the
 background from a snapshot (disk, Redis), finishing background writes as
 their results come back (:meth:`Demoter.finish`). The chain decides what to
 store and when; this module only stores.
+
+A store may carry retention pins (key -> when the pin ends): the tier keeps
+them with the blocks, and what it evicts goes down with the pins it had.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -41,9 +44,16 @@ class Demoter:
         self.on_evicted: Callable[[int, list[int]], None] | None = None
 
     def store_blocks(
-        self, t: int, keys: list[int], blocks: list[int], *, cascade: bool = True
+        self,
+        t: int,
+        keys: list[int],
+        blocks: list[int],
+        *,
+        cascade: bool = True,
+        pins: Mapping[int, float] | None = None,
     ) -> None:
-        """Store device ``blocks`` under ``keys`` on tier ``t``.
+        """Store device ``blocks`` under ``keys`` on tier ``t`` (``pins``: the retention
+        pins some of them carry, key -> end).
 
         Blocks the device cannot export whole (a windowed storage's blocks
         whose sliding layers were reclaimed) are left out: a tier never holds
@@ -56,7 +66,7 @@ class Demoter:
             if not blocks:
                 return
         payloads = self.encode_device(t, blocks)
-        self.store_payloads(t, keys, payloads, cascade=cascade)
+        self.store_payloads(t, keys, payloads, cascade=cascade, pins=pins)
 
     def encode_device(self, t: int, blocks: list[int]) -> list[torch.Tensor]:
         tier = self.tiers[t]
@@ -81,17 +91,23 @@ class Demoter:
         return out
 
     def store_payloads(
-        self, t: int, keys: list[int], payloads: list[torch.Tensor], *, cascade: bool = True
+        self,
+        t: int,
+        keys: list[int],
+        payloads: list[torch.Tensor],
+        *,
+        cascade: bool = True,
+        pins: Mapping[int, float] | None = None,
     ) -> None:
         tier = self.tiers[t]
         mgr = tier.offload_manager
-        out = mgr.prepare_store(keys)
+        out = mgr.prepare_store(keys, pins)
         # More than the tier can make room for: keep the last keys (a demoted
         # batch lists children before parents, and parents serve more prefixes).
         kept = len(keys)
         while out is None and kept > 1:
             kept //= 2
-            out = mgr.prepare_store(keys[-kept:])
+            out = mgr.prepare_store(keys[-kept:], pins)
         if out is None:
             tier.counters.dropped_blocks += len(keys)
             return
@@ -100,9 +116,10 @@ class Demoter:
             return
         if out.evicted_keys and self.on_evicted is not None:
             self.on_evicted(t, out.evicted_keys)
-        # Evicted blocks go down a tier; read them before their slots are reused.
+        # Evicted blocks go down a tier, with their pins; read them before their slots
+        # are reused.
         if out.evicted_keys and cascade and self.next_writes_back(t):
-            self.cascade(t, out.evicted_keys, out.evicted_slots)
+            self.cascade(t, out.evicted_keys, out.evicted_slots, out.evicted_pins)
         elif out.evicted_keys and tier.medium.caps.background:
             try:
                 tier.medium.delete(list(zip(out.evicted_keys, out.evicted_slots, strict=True)))
@@ -148,8 +165,15 @@ class Demoter:
         """Whether tier ``t + 1`` exists and takes what tier ``t`` evicts (write-back)."""
         return t + 1 < len(self.tiers) and self.tiers[t + 1].writes_back
 
-    def cascade(self, t: int, keys: list[int], slots: list[int]) -> None:
-        """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``."""
+    def cascade(
+        self,
+        t: int,
+        keys: list[int],
+        slots: list[int],
+        pins: Mapping[int, float] | None = None,
+    ) -> None:
+        """Move blocks tier ``t`` evicted (still in their slots) to tier ``t + 1``, with
+        the retention ``pins`` they had there."""
         tier = self.tiers[t]
         if not self.next_writes_back(t):
             if tier.medium.caps.background:
@@ -184,7 +208,7 @@ class Demoter:
                 below.counters.encode_seconds += time.perf_counter() - started
             down_keys.append(key)
         if down_keys:
-            self.store_payloads(t + 1, down_keys, down)
+            self.store_payloads(t + 1, down_keys, down, pins=pins)
 
     def finish(self, result: TransferResult) -> int | None:
         """Complete the background write ``result`` reports (if it is one of ours).

@@ -512,13 +512,16 @@ def create_app(
 
     @app.get("/v1/cache/stats")
     async def cache_stats(request: Request) -> dict[str, Any]:
-        from kvtier.server.workflows import session_stats
+        from kvtier.server.workflows import pin_stats, session_stats
 
         snap = await snapshot()
-        sessions = (
-            await asyncio.to_thread(worker.call, session_stats)
-            if worker.alive
-            else session_stats(engine)
+        tenant = tenant_of(request.scope)
+
+        def on_engine(e: Engine) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+            return session_stats(e), pin_stats(e, tenant)
+
+        sessions, pins = (
+            await asyncio.to_thread(worker.call, on_engine) if worker.alive else on_engine(engine)
         )
         layout = engine.layout
         ttft = snap.ttft
@@ -553,6 +556,7 @@ def create_app(
             "tiers": snap.tiers,
             "costs": snap.costs,
             "sessions": sessions,
+            "pins": pins,
             "pressure": None if snap.pressure is None else snap.pressure.as_dict(),
             "encoder_cache": snap.encoder_cache,
             "layout": {
@@ -571,7 +575,7 @@ def create_app(
             "bytes_per_block": layout.bytes_per_block,
             "kv_cache_bytes": layout.bytes_per_block * snap.stats.total_blocks,
             # The caller's own tenant only: other tenants are /admin/tenants' to show.
-            "tenant": tenant_gate.caller_view(tenant_of(request.scope)),
+            "tenant": tenant_gate.caller_view(tenant),
             "disaggregation": pd.stats(),
         }
 

@@ -45,7 +45,7 @@ from kvtier.engine.worker import EngineWorker
 from kvtier.errors import BadRequestError
 from kvtier.server.auth import tenant_of
 from kvtier.server.protocol import error_body
-from kvtier.server.tenants import effective_salt, scoped_id, shown_id
+from kvtier.server.tenants import SEPARATOR, effective_salt, scoped_id, shown_id
 
 _EVENTS = ("step", "start", "complete")
 
@@ -123,6 +123,24 @@ def session_stats(engine: Engine) -> dict[str, Any] | None:
     stats["pinned_bytes"] = stats["pinned_blocks"] * per_block
     stats["waiting_bytes"] = stats["waiting_blocks"] * per_block
     return stats
+
+
+def pin_stats(engine: Engine, tenant: str | None) -> dict[str, Any] | None:
+    """The ``pins`` section of ``/v1/cache/stats`` (``None`` without the workflow policy):
+    pinned blocks per level, and per session for the caller's own sessions (the
+    :data:`~kvtier.agents.pinstats.TOP_SESSIONS` that pinned the most). Call it on the
+    engine thread."""
+    if tenant is None:
+        # A caller of no tenant sees the sessions of no tenant.
+        def keep(sid: str) -> bool:
+            return SEPARATOR not in sid
+    else:
+        prefix = f"{tenant}{SEPARATOR}"
+
+        def keep(sid: str) -> bool:
+            return sid.startswith(prefix)
+
+    return engine.agents.pin_stats(keep=keep, shown=lambda sid: shown_id(tenant, sid))
 
 
 def register_workflows(app: FastAPI, worker: EngineWorker) -> None:
