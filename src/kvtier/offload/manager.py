@@ -11,10 +11,11 @@ the transfer engine move bytes between the slots it hands out. The protocol:
   return their slots; ``complete_load(keys)`` unpins;
 * ``touch(keys)``: a use, for the policy; unknown or pending keys are ignored;
 * ``prepare_store(keys)``: reserve slots for the keys not already held,
-  evicting unpinned ready keys the policy picks (never one named in the same
-  call, never one being loaded or stored). When room cannot be made it
-  returns ``None`` and **nothing has changed** (not even the policy's order;
-  an admission filter has still recorded the sighting of the keys);
+  evicting ready keys the policy picks (never one named in the same call,
+  never one being loaded or stored; keys with a retention pin last, see
+  below). When room cannot be made it returns ``None`` and **nothing has
+  changed** (not even the policy's order; an admission filter has still
+  recorded the sighting of the keys);
 * ``complete_store(keys, success)``: make stored keys ready, or release the
   slots of a store that failed;
 * ``take_events()``: the stored / removed events since the last call;
