@@ -18,7 +18,8 @@ from hypothesis.stateful import (
 from test_offload_manager import OffloadMachine
 from test_offload_manager import state as manager_state
 
-from kvtier.offload import OffloadingManager
+from kvtier.offload import OffloadingEvent, OffloadingManager
+from kvtier.offload.manager import PinEvent
 from kvtier.policy import available_policies
 from kvtier.policy.base import PolicyBase, pin_ends_of
 
@@ -156,6 +157,27 @@ def test_a_policy_without_pins_has_no_pin_source() -> None:
     assert pin_ends_of(w) == w.pin_ends
     wrapped = make_policy("workflow", admission="tinylfu")
     assert pin_ends_of(wrapped) is not None
+
+
+def test_pins_are_journaled_after_the_store_and_left_out_of_take_events() -> None:
+    clock = Clock()
+    m = OffloadingManager(4, "lru", medium="host", clock=clock)
+    out = m.prepare_store([1, 2, 3], {1: 9.0, 2: 9.0, 3: 7.0})
+    assert out is not None
+    assert m.take_all_events() == [], "pending keys are not announced"
+    m.complete_store([1, 2, 3])
+    m.set_pins({1: 9.0, 3: 8.0, 4: 9.0})  # 1 unchanged, 3 moved, 4 not held
+    assert m.take_all_events() == [
+        OffloadingEvent((1, 2, 3), "host", False),
+        PinEvent((1, 2), "host", 9.0),
+        PinEvent((3,), "host", 7.0),
+        PinEvent((3,), "host", 8.0),
+    ]
+    m.set_pins({2: 12.0})
+    stored(m, [5])
+    # take_events keeps its two kinds: stores and removals.
+    assert m.take_events() == [OffloadingEvent((5,), "host", False)]
+    assert m.take_all_events() == []
 
 
 # -- the stateful model check ------------------------------------------------------------

@@ -211,3 +211,38 @@ def test_without_the_workflow_policy_there_are_no_pins(tmp_path: Path) -> None:
     assert engine.tier_chain is not None
     assert engine.tier_chain.stats()["host"]["pinned_blocks"] == 0
     engine.close()
+
+
+def test_pins_reach_kvtiers_own_event_stream_and_not_the_wire(tmp_path: Path) -> None:
+    from kvtier.events import BlocksPinned, BlocksStored, MemorySink
+    from kvtier.integrations.vllm.events import KvEventPublisher
+    from kvtier.routing.events import decode_batch
+
+    clock = Clock()
+    engine = _engine([Tier(HostStore(), 32)], clock)
+    sink = MemorySink()
+    engine.events = sink
+    engine.manager.record_events()
+    a = _session(engine, 1, "a")
+    _push_off_device(engine, 2)
+    engine.connector.demote_pending()
+    engine._publish_events()
+    # Every step published its events: all of them, in order.
+    host = [e for b in sink.batches for e in b if getattr(e, "medium", None) == "host"]
+    pinned = [e for e in host if isinstance(e, BlocksPinned)]
+    assert {k for e in pinned for k in e.keys} == set(a)
+    assert {e.until for e in pinned} == {clock.now + TTL}
+    # Each pin is announced after its blocks were stored there.
+    for event in pinned:
+        before = host[: host.index(event)]
+        assert set(event.keys) <= {k for e in before if isinstance(e, BlocksStored) for k in e.keys}
+
+    # A publisher in vLLM's wire format leaves pins out: the batch is what it was.
+    with KvEventPublisher("inproc://kvtier-pins", structs="local") as pub:
+        pub.emit(BlocksStored((1, 2), "host"))
+        pub.emit(BlocksPinned((1, 2), 5.0, "host"))
+        with pub._lock:
+            events, pub._pending = pub._pending, []
+        decoded = decode_batch(pub.encode(events, ts=1.0))
+    assert [type(e) for e in decoded] == [BlocksStored]
+    engine.close()

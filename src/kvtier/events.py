@@ -6,12 +6,17 @@ kvtier reports the blocks it holds as three kinds of event, whoever listens:
   medium, with the key of the block before the first and, for the device,
   their token ids;
 * :class:`BlocksRemoved`: blocks left a medium;
-* :class:`AllCleared`: every cached block left.
+* :class:`AllCleared`: every cached block left;
+* :class:`BlocksPinned`: a retention pin (a session's ``cache_ttl_s``)
+  keeps blocks on a tier until a time. kvtier's own stream only: vLLM's wire
+  format has no such event, so the ZeroMQ publisher leaves it out (what a
+  router decodes is unchanged), and only a sink that implements
+  :meth:`SinkBase.pinned` (:class:`MemorySink`) sees it.
 
 They come from two journals: the device's (a :class:`~kvtier.KVCacheManager`
 with ``record_events()`` on; :func:`device_events` reads it) and the tiers'
 (the :class:`~kvtier.offload.OffloadingEvent` s of an offloading manager or a
-tier chain; :func:`tier_events` reads them).
+tier chain, and their pin events; :func:`tier_events` reads them).
 
 Publishers are sinks. An engine holds one :class:`EventSink`, drains both
 journals into it after each step (``drain_device``, ``drain``), then
@@ -41,7 +46,7 @@ from kvtier.errors import ConfigError
 from kvtier.pool import CLEARED, STORED
 
 if TYPE_CHECKING:
-    from kvtier.offload.manager import OffloadingEvent
+    from kvtier.offload.manager import OffloadingEvent, PinEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,17 @@ class AllCleared:
     """Every cached block left."""
 
 
-KvEvent = BlocksStored | BlocksRemoved | AllCleared
+@dataclass(frozen=True, slots=True)
+class BlocksPinned:
+    """Blocks of ``medium`` a retention pin keeps until ``until`` (the engine's clock);
+    they are evicted after every unpinned block there until then."""
+
+    keys: tuple[int, ...]
+    until: float
+    medium: str = "device"
+
+
+KvEvent = BlocksStored | BlocksRemoved | AllCleared | BlocksPinned
 
 
 class DeviceJournal(Protocol):
@@ -84,7 +99,8 @@ class DeviceJournal(Protocol):
 
 
 class TierJournal(Protocol):
-    """The tiers' journal: an offloading manager or a tier chain."""
+    """The tiers' journal: an offloading manager or a tier chain (whose
+    ``take_all_events()``, when it has one, gives its pin events too)."""
 
     def take_events(self) -> Iterable[OffloadingEvent]: ...
 
@@ -111,14 +127,16 @@ def device_events(journal: DeviceJournal, *, lora_id: int | None = None) -> list
     return out
 
 
-def tier_event(event: OffloadingEvent) -> KvEvent:
-    """The KV event of one offloading event."""
+def tier_event(event: OffloadingEvent | PinEvent) -> KvEvent:
+    """The KV event of one offloading event (or pin event)."""
+    if not hasattr(event, "removed"):
+        return BlocksPinned(tuple(event.keys), event.until, event.medium)
     if event.removed:
         return BlocksRemoved(tuple(event.keys), event.medium)
     return BlocksStored(tuple(event.keys), event.medium)
 
 
-def tier_events(events: Iterable[OffloadingEvent]) -> list[KvEvent]:
+def tier_events(events: Iterable[OffloadingEvent | PinEvent]) -> list[KvEvent]:
     """The KV events of offloading events (those with no keys are dropped)."""
     return [tier_event(ev) for ev in events if ev.keys]
 
@@ -183,7 +201,14 @@ class SinkBase(ABC):
             )
         if isinstance(event, BlocksRemoved):
             return self.removed(event.keys, medium=event.medium)
+        if isinstance(event, BlocksPinned):
+            return self.pinned(event.keys, event.until, medium=event.medium)
         return self.cleared()
+
+    def pinned(self, keys: Sequence[int], until: float, *, medium: str = "device") -> Any:
+        """Queue a :class:`BlocksPinned`; a sink that cannot carry it leaves it out (the
+        default: vLLM's wire format has no such event)."""
+        return None
 
     def drain_device(self, manager: DeviceJournal, *, lora_id: int | None = None) -> int:
         """Queue the device's events since the last call; returns how many.
@@ -195,11 +220,11 @@ class SinkBase(ABC):
             self.emit(event)
         return len(events)
 
-    def add(self, event: OffloadingEvent) -> Any:
+    def add(self, event: OffloadingEvent | PinEvent) -> Any:
         """Queue the KV event of one :class:`~kvtier.offload.OffloadingEvent`."""
         return self.emit(tier_event(event))
 
-    def extend(self, events: Iterable[OffloadingEvent]) -> int:
+    def extend(self, events: Iterable[OffloadingEvent | PinEvent]) -> int:
         """Queue many offloading events (those with keys); returns how many."""
         queued = tier_events(events)
         for event in queued:
@@ -207,8 +232,10 @@ class SinkBase(ABC):
         return len(queued)
 
     def drain(self, source: TierJournal) -> int:
-        """Queue ``source.take_events()`` (an offloading manager, a tier chain)."""
-        return self.extend(source.take_events())
+        """Queue ``source``'s events (an offloading manager, a tier chain): its
+        ``take_all_events()`` (pin events among them) if it has one, else ``take_events()``."""
+        take_all = getattr(source, "take_all_events", None)
+        return self.extend(take_all() if take_all is not None else source.take_events())
 
 
 class MemorySink(SinkBase):
@@ -254,6 +281,9 @@ class MemorySink(SinkBase):
 
     def cleared(self) -> KvEvent:
         return self._push(AllCleared())
+
+    def pinned(self, keys: Sequence[int], until: float, *, medium: str = "device") -> KvEvent:
+        return self._push(BlocksPinned(tuple(keys), until, medium))
 
     def flush(self) -> int | None:
         with self._lock:

@@ -77,7 +77,7 @@ from kvtier.offload.backward import BackwardLoad
 from kvtier.offload.compress import CompressionResult, compress
 from kvtier.offload.demote import Demoter
 from kvtier.offload.device_tier import DeviceStore
-from kvtier.offload.manager import OffloadingEvent
+from kvtier.offload.manager import OffloadingEvent, PinEvent
 from kvtier.offload.media import ItemFormat
 from kvtier.offload.promote import LoadBatch, PendingLoad, Reader, install, plan_batches
 from kvtier.offload.swap import SwappedRequest
@@ -760,6 +760,14 @@ class TierChain:
             out: list[OffloadingEvent] = []
             for tier in self.tiers:
                 out.extend(tier.offload_manager.take_events())
+            return out
+
+    def take_all_events(self) -> list[OffloadingEvent | PinEvent]:
+        """:meth:`take_events` with the tiers' pin events among them."""
+        with self._lock:
+            out: list[OffloadingEvent | PinEvent] = []
+            for tier in self.tiers:
+                out.extend(tier.offload_manager.take_all_events())
             return out
 
     def stats(self) -> dict[str, dict[str, float]]:

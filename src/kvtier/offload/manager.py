@@ -18,7 +18,8 @@ the transfer engine move bytes between the slots it hands out. The protocol:
   recorded the sighting of the keys);
 * ``complete_store(keys, success)``: make stored keys ready, or release the
   slots of a store that failed;
-* ``take_events()``: the stored / removed events since the last call;
+* ``take_events()``: the stored / removed events since the last call
+  (``take_all_events()``: with the pin events among them, see below);
 * ``on_request(keys, num_hit)``: a request is about to use ``keys`` (the
   first ``num_hit`` of them ready here); passed to a request-aware policy
   with the manager's clock, ignored otherwise.
@@ -33,7 +34,11 @@ the session is back, and MIN keeps what is due soonest). A pin lapses when
 the clock reaches its end (the key rejoins the policy's order as a release
 does); ``remove`` drops the pin with the key. A ready key with a pin (and
 no load) is pinned in the policy, so its victims are never pinned keys and
-nothing is scanned; without pins nothing of this costs anything.
+nothing is scanned; without pins nothing of this costs anything. A ready key
+that gets a pin (or a new end), or becomes ready with one, is journaled as a
+:class:`PinEvent` among the stored / removed events: ``take_all_events()``
+returns them in order, ``take_events()`` leaves them out (its callers map
+every event to a store or a removal).
 
 Any policy of :mod:`kvtier.policy` decides evictions: ready keys are its
 resident keys; a key being loaded is pinned in it; pending keys are not in it
@@ -47,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
 from kvtier.policy.base import EvictionPolicy, admit_chain, request_hook
@@ -81,6 +87,16 @@ class OffloadingEvent:
     removed: bool
 
 
+@dataclass(frozen=True, slots=True)
+class PinEvent:
+    """Ready keys of a medium that a retention pin keeps until ``until`` (the clock of
+    the manager that journaled it), from now on."""
+
+    keys: tuple[int, ...]
+    medium: str
+    until: float
+
+
 class _Entry:
     __slots__ = ("ready", "ref", "slot")
 
@@ -113,7 +129,9 @@ class OffloadingManager:
         self._entries: dict[int, _Entry] = {}
         # Popping from the end hands out low slots first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events: list[OffloadingEvent | PinEvent] | None = [] if enable_events else None
+        # Whether the journal holds a PinEvent (take_events leaves them out).
+        self._pin_journaled = False
         self.stores = 0
         self.failed_stores = 0
         self.evictions = 0
@@ -197,6 +215,8 @@ class OffloadingManager:
         latest = self._latest
         push = heapq.heappush
         seq = self._seq
+        journal = self._events is not None
+        changed: list[int] = []
         for key, until in pins.items():
             if until <= now:
                 continue
@@ -210,10 +230,15 @@ class OffloadingManager:
             seq += 1
             push(ends, (until, seq, key))
             push(latest, (-until, seq, key))
-            if old is None and e.ready and e.ref == 0:
-                policy.pin(key)
-                self._pin_evictable += 1
+            if e.ready:
+                if old is None and e.ref == 0:
+                    policy.pin(key)
+                    self._pin_evictable += 1
+                if journal:
+                    changed.append(key)
         self._seq = seq
+        if changed:
+            self._emit_pins(changed)
         if len(ends) > 4 * len(own) + 64:
             self._rebuild_pins()
 
@@ -498,6 +523,8 @@ class OffloadingManager:
                 self.policy.insert_many(done)
             self.stores += len(done)
             self._emit(done, removed=False)
+            if pinned and self._events is not None:
+                self._emit_pins(pinned)
 
     def adopt(self, keys: Sequence[int]) -> list[int]:
         """Register keys the medium already holds (a restart, another engine); returns them.
@@ -542,8 +569,31 @@ class OffloadingManager:
         if self._events is not None:
             self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
 
+    def _emit_pins(self, keys: list[int]) -> None:
+        """Journal the pins of ready ``keys``: one event per end, in the order of the keys."""
+        events = self._events
+        if events is None:
+            return
+        own = self._pins
+        by_end: dict[float, list[int]] = {}
+        for key in keys:
+            by_end.setdefault(own[key], []).append(key)
+        medium = self.medium
+        events.extend(PinEvent(tuple(ks), medium, until) for until, ks in by_end.items())
+        self._pin_journaled = True
+
     def take_events(self) -> list[OffloadingEvent]:
-        """Events since the last call, oldest first."""
+        """Stored and removed events since the last call, oldest first (pin events since
+        then are dropped: :meth:`take_all_events` returns them too)."""
+        pins = self._pin_journaled
+        out = self.take_all_events()
+        if not pins:
+            return cast("list[OffloadingEvent]", out)  # no PinEvent among them
+        return [e for e in out if isinstance(e, OffloadingEvent)]
+
+    def take_all_events(self) -> list[OffloadingEvent | PinEvent]:
+        """Every event since the last call, pin events included, oldest first."""
+        self._pin_journaled = False
         if self._events is None:
             return []
         out = self._events
