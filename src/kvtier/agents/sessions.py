@@ -152,12 +152,13 @@ class SessionBook:
         The session is back: its pause is learned now, and the blocks of its
         last request are pinned until it is likely served (the learned mean
         wait, at least :data:`MIN_HOLD`), superseding its TTL pin: due sooner
-        than any session still paused, which will wait its turn too. Called again while the request still waits,
-        once that hold has run out, it holds the blocks as long again. The
-        request's own step (:meth:`observe`, once it is served) then pins as
-        usual (a request that ends the session ends it then: it still needs
-        the session's blocks). Nothing for a session not seen before, or one
-        waiting and held.
+        than any session still paused, which will wait its turn too. Called
+        again while the request still waits, once that hold has run out, it
+        holds the blocks as long again. The request's own step
+        (:meth:`observe`, once it is served) then pins as usual (a request
+        that ends the session ends it then: it still needs the session's
+        blocks). Nothing for a session not seen before, or one waiting and
+        held.
         """
         sid = h.session_id
         if sid is None:
