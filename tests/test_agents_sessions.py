@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.agents.sessions import MIN_HOLD, WAIT_WEIGHT, SessionBook, SessionStep
+from kvtier.agents.sessions import (
+    HIGH_MARGIN,
+    HIGH_Q,
+    LOW_Q,
+    MIN_HOLD,
+    WAIT_WEIGHT,
+    SessionBook,
+    SessionStep,
+)
 from kvtier.errors import InternalInvariantError
 from kvtier.hints import Hints
 
@@ -247,3 +255,39 @@ def test_a_hold_is_renewed_while_the_request_waits() -> None:
     assert step.pin is not None and step.pin[0] == [7, 8]
     with pytest.raises(InternalInvariantError, match="session_id"):
         book.arrive(Hints(cache_ttl_s=1.0), 9.0)
+
+
+def test_a_kinds_pauses_bound_its_wrong_ttls() -> None:
+    """Once an agent kind has paused often enough, a TTL far outside its pauses is taken
+    for a wrong hint: brought up to most of them, or down to a margin past nearly all."""
+    book = SessionBook()
+    now = 1.0
+    pauses = [2.0, 2.5, 3.0, 3.0, 3.5, 4.0, 2.2, 2.8]
+    for i, pause in enumerate(pauses):
+        h = Hints(session_id=f"s{i}", agent_id="coder", cache_ttl_s=pause * 1.2)
+        book.observe(h, [i, 100 + i], now, True)
+        book.arrive(h, now + pause)  # back after its pause: learned per kind
+        book.observe(h, [i, 100 + i, 200 + i], now + pause, True)
+        now += 10.0
+    kind = book.kind("coder")
+    assert kind is not None and list(kind.pauses) == pytest.approx(pauses)
+    ordered = sorted(kind.pauses)
+    low, high = ordered[int(LOW_Q * 7)], ordered[int(HIGH_Q * 7)] * HIGH_MARGIN
+    assert (kind.low, kind.high) == (low, high)
+
+    def pinned_for(ttl: float, agent: str | None = "coder") -> float:
+        step = book.observe(Hints(session_id="x", agent_id=agent, cache_ttl_s=ttl), [9], now, True)
+        assert step.pin is not None
+        book.end("x")
+        return step.pin[1] - now - book.wait
+
+    assert pinned_for(3.6) == pytest.approx(3.6 * book.stretch)  # within the range: as hinted
+    assert pinned_for(0.3) == pytest.approx(low)  # 10x too short
+    assert pinned_for(60.0) == pytest.approx(high)  # 20x too long
+    assert pinned_for(60.0, "planner") == pytest.approx(60.0 * book.stretch)  # a kind unseen
+    # Too few pauses of a kind bound nothing.
+    few = SessionBook()
+    few.observe(Hints(session_id="a", agent_id="k", cache_ttl_s=1.0), [1, 2], 1.0, True)
+    few.observe(Hints(session_id="a", agent_id="k", cache_ttl_s=1.0), [1, 2, 3], 5.0, True)
+    k = few.kind("k")
+    assert k is not None and (k.low, k.high) == (0.0, float("inf"))

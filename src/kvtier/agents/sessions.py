@@ -9,6 +9,10 @@ with the session's TTL pins, as data (:class:`SessionStep`):
 * pin the request's blocks until the session is expected back: its
   ``cache_ttl_s``, stretched by how far hinted TTLs have run short of the
   pauses seen; without a hint, twice the session's own mean pause;
+* bound a hinted TTL by the pauses seen of its agent kind (``agent_id``):
+  once a kind has paused :data:`KIND_MIN` times, a TTL shorter than most of
+  its pauses or far longer than nearly all of them is taken for a wrong
+  hint and brought within that range;
 * release the pins of a session that named a TTL at every pause and now
   names none (it is not waiting on a tool, so not expected back soon);
 * end a session that says so (``session_end``);
@@ -24,6 +28,7 @@ with the session's TTL pins, as data (:class:`SessionStep`):
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +46,36 @@ _RELEARN = 32
 MIN_HOLD = 1.0
 #: Weight of the newest wait in the learned wait (an exponential mean).
 WAIT_WEIGHT = 0.2
+#: Pauses remembered per agent kind, and how many a kind needs before they bound TTLs.
+KIND_PAUSES = 64
+KIND_MIN = 8
+#: Agent kinds remembered at most (the least recently seen are forgotten first).
+MAX_KINDS = 1024
+#: A kind's TTLs are kept within [its pauses' LOW_Q quantile, HIGH_Q quantile x HIGH_MARGIN].
+LOW_Q = 0.25
+HIGH_Q = 0.95
+HIGH_MARGIN = 1.5
+
+
+@dataclass(slots=True)
+class KindPauses:
+    """The pauses seen of one agent kind, and the range a hinted TTL is kept within."""
+
+    pauses: deque[float] = field(default_factory=lambda: deque(maxlen=KIND_PAUSES))
+    low: float = 0.0
+    high: float = math.inf
+
+    def add(self, pause: float) -> None:
+        self.pauses.append(pause)
+        if len(self.pauses) >= KIND_MIN:
+            ordered = sorted(self.pauses)
+            last = len(ordered) - 1
+            self.low = ordered[int(LOW_Q * last)]
+            self.high = ordered[int(HIGH_Q * last)] * HIGH_MARGIN
+
+    def bound(self, ttl: float) -> float:
+        """``ttl`` within the kind's range (unchanged until it has seen enough pauses)."""
+        return min(max(ttl, self.low), self.high)
 
 
 @dataclass(slots=True)
@@ -57,6 +92,8 @@ class Session:
     hinted: bool = False
     #: When the session's next request arrived, while it waits to be served (0.0: none).
     arrived: float = 0.0
+    #: Its agent kind (the last ``agent_id`` it named), whose pauses bound its TTLs.
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +124,7 @@ class SessionBook:
         self.ended = 0
         #: Mean seconds between a session's request arriving and its being served.
         self.wait = 0.0
+        self._kinds: OrderedDict[str, KindPauses] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -136,10 +174,16 @@ class SessionBook:
         rec.hinted = hinted_before
         rec.ttl = h.cache_ttl_s
         rec.keys = list(keys)
+        if h.agent_id is not None:
+            rec.kind = h.agent_id
         previous = rec.until
         # Due when it is served: back after its pause, then as long as requests wait.
         if h.cache_ttl_s:
-            rec.until = now + h.cache_ttl_s * self.stretch + self.wait
+            ttl = h.cache_ttl_s * self.stretch
+            kind = self._kinds.get(rec.kind) if rec.kind is not None else None
+            if kind is not None:
+                ttl = kind.bound(ttl)
+            rec.until = now + ttl + self.wait
         elif rec.pause > 0.0 and not hinted_before:
             rec.until = now + 2.0 * rec.pause + self.wait  # no hint: its own pauses so far
         else:
@@ -185,6 +229,20 @@ class SessionBook:
         if rec.ttl:
             self._learn(pause / rec.ttl)
         rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
+        if rec.kind is not None:
+            kinds = self._kinds
+            kind = kinds.get(rec.kind)
+            if kind is None:
+                kind = kinds[rec.kind] = KindPauses()
+                while len(kinds) > MAX_KINDS:
+                    kinds.popitem(last=False)
+            else:
+                kinds.move_to_end(rec.kind)
+            kind.add(pause)
+
+    def kind(self, agent_id: str) -> KindPauses | None:
+        """The pauses seen of agent kind ``agent_id``, if any."""
+        return self._kinds.get(agent_id)
 
     def end(self, session_id: str) -> Session | None:
         """Forget the session; its record, or None if it is unknown."""
