@@ -710,6 +710,53 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         }
 
 
+def round_order(configs: Sequence[str], round_index: int) -> list[str]:
+    """The configurations of one round: each round starts one further along, so no
+    configuration always runs first (a machine's load drifts over a long run)."""
+    k = round_index % len(configs)
+    return [*configs[k:], *configs[:k]]
+
+
+def _median(xs: Sequence[float]) -> float:
+    ordered = sorted(xs)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def combine_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per configuration from several rounds (each already through
+    :func:`add_ratios`): the median of every figure, the ratios against default taken
+    within each round first, with their spread (``ratio_ranges``) and every round's row
+    (``rounds``). A single round is returned as it is."""
+    if len(rounds) == 1:
+        return list(rounds[0])
+    out: list[dict[str, Any]] = []
+    for config in [r["config"] for r in rounds[0]]:
+        runs = [next(r for r in rnd if r["config"] == config) for rnd in rounds]
+        row = dict(runs[0])
+        for key in ("ttft_p50_ms", "ttft_p90_ms", "first_turn_ttft_p50_ms", "latency_p50_ms",
+                    "requests_per_s", "wall_s"):  # fmt: skip
+            row[key] = _median([r[key] for r in runs])
+        for key in ("requests", "errors", "later_turns", "later_prompt_tokens"):
+            row[key] = sum(r[key] for r in runs)
+        sources = sorted({k for r in runs for k in r["later_shares"]})
+        row["later_shares"] = {
+            k: _median([r["later_shares"].get(k, 0.0) for r in runs]) for k in sources
+        }
+        row["error_samples"] = [e for r in runs for e in r["error_samples"]][:5]
+        vs = [r["vs_default"] for r in runs]
+        if all(v is not None for v in vs):
+            row["vs_default"] = {}
+            row["ratio_ranges"] = {}
+            for key in vs[0]:
+                got = [v[key] for v in vs if v[key] is not None]
+                row["vs_default"][key] = _median(got) if got else None
+                row["ratio_ranges"][key] = [min(got), max(got)] if got else None
+        row["rounds"] = runs
+        out.append(row)
+    return out
+
+
 def result_table(
     rows: list[dict[str, Any]], tiers: Sequence[str]
 ) -> tuple[list[str], list[list[object]]]:
@@ -727,10 +774,16 @@ def result_table(
         *(["cached vs default"] if tiers else []),
         "req/s",
     ]
+    ranged = any(r.get("ratio_ranges") for r in rows)
+    if ranged:
+        headers += ["p50 vs default, range", "device vs default, range"]
     table: list[list[object]] = []
     for r in rows:
         vs = r.get("vs_default")
         sh = r["later_shares"]
+        spread = r.get("ratio_ranges") or {}
+        p50_range = spread.get("ttft_p50_ratio")
+        pts_range = spread.get("device_share_points")
         table.append(
             [
                 r["config"],
@@ -745,6 +798,14 @@ def result_table(
                 f"{vs['device_share_points']:+.1f} pts" if vs else "-",
                 *([f"{vs['cached_share_points']:+.1f} pts" if vs else "-"] if tiers else []),
                 f"{r['requests_per_s']:.2f}",
+                *(
+                    [
+                        f"{p50_range[0]:.2f}-{p50_range[1]:.2f}x" if p50_range else "-",
+                        f"{pts_range[0]:+.1f} to {pts_range[1]:+.1f}" if pts_range else "-",
+                    ]
+                    if ranged
+                    else []
+                ),
             ]
         )
     return headers, table
@@ -909,6 +970,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="print the schedule and the cache sizes, start no server",
     )
+    o.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every configuration this many times (each round in another order) and "
+        "report the medians, with the spread of the ratios against default (default 1)",
+    )
     o.add_argument("--json-out", type=Path, default=DEFAULT_JSON)
     o.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = p.parse_args(argv)
@@ -917,6 +985,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, k, list(v) if isinstance(v, tuple) else v)
     if args.sessions < 1 or args.turns < 1:
         p.error("--sessions and --turns must be at least 1")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if not 1.0 < args.wrong_factor[0] <= args.wrong_factor[1]:
         p.error("--wrong-factor MIN MAX needs 1 < MIN <= MAX")
     return args
@@ -978,71 +1048,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"wrong {list(plan.ttl_wrong)}"
             )
         return 0
-    rows: list[dict[str, Any]] = []
+    rounds: list[list[dict[str, Any]]] = []
     argvs: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-agent-sessions-") as tmp:
-        for key in args.configs:
-            config = CONFIGS[key]
-            argv_serve = serve_argv(config, sizing, args, Path(tmp))
-            argvs[key] = argv_serve[3:]
-            log(f"{key} ({config.label}): starting kvtier serve ...")
-            server = start_server(argv_serve, Path(tmp) / f"serve-{key}.log")
-            try:
-                solo = warm_up(server, probe, args.max_tokens)
-                before = cache_stats(server)
-                per_block = before.get("bytes_per_block")
-                if tiers and per_block != BUNDLED_BYTES_PER_TOKEN * args.block_size:
-                    log(
-                        f"  note: the server's blocks are {per_block} bytes, tier sizes assumed "
-                        f"{BUNDLED_BYTES_PER_TOKEN * args.block_size}"
-                    )
-                run = asyncio.run(replay(server, workload, config, args.max_tokens))
-                if server.proc.poll() is not None:
-                    raise SystemExit(
-                        f"kvtier serve exited during the run (status {server.proc.returncode});"
-                        f" last lines of its log:\n{log_tail(server.log_path)}"
-                    )
-                after = cache_stats(server)
-            finally:
-                stop_server(server)
-            row = summarize(config, run, before, after)
-            row["solo"] = solo
-            log(
-                f"  TTFT p50 {row['ttft_p50_ms']:.0f} ms, p90 {row['ttft_p90_ms']:.0f} ms "
-                f"(turns 2+), device {100 * row['later_shares'].get('device', 0.0):.1f}% of "
-                f"their prompt tokens, {row['errors']} errors, {row['wall_s']:.0f}s; alone, a "
-                f"{solo['probe_prompt_tokens']}-token prompt: {solo['solo_cold_ttft_ms']:.0f} ms "
-                f"computed, {solo['solo_cached_ttft_ms']:.0f} ms cached"
-            )
-            if row["ttft_p50_ms"] > solo["solo_cold_ttft_ms"]:
-                log(
-                    "  note: the median turn waited longer than computing the largest prompt "
-                    "alone takes: requests queued, and queueing, not the cache, sets these "
-                    "TTFTs (fewer --sessions, a longer --stagger or longer --pause-medians "
-                    "fit this machine better)"
-                )
-            if row["errors"]:
-                log(
-                    f"  errors: {row['error_samples']}\n  server log tail:\n"
-                    f"{log_tail(server.log_path, 15)}"
-                )
-            rows.append(row)
-    add_ratios(rows)
+        for rnd in range(args.repeats):
+            rows = run_round(args, round_order(args.configs, rnd), sizing, workload, probe,
+                             tiers, Path(tmp), argvs, rnd)  # fmt: skip
+            add_ratios(rows)
+            rows.sort(key=lambda r: args.configs.index(r["config"]))
+            rounds.append(rows)
+    rows = combine_rounds(rounds)
     headers, table = result_table(rows, tiers)
     print(
         f"{args.sessions} agent sessions x {args.turns} turns, device {sizing.num_blocks} blocks "
         f"({args.device_fraction:g} of the {sizing.peak_live_blocks}-block peak), tiers: "
         f"{args.tiers}; TTFT and prompt-token shares over turns 2-{args.turns}"
+        + (f"; medians of {args.repeats} rounds" if args.repeats > 1 else "")
     )
     print(format_markdown_table(headers, table) if args.markdown else format_table(headers, table))
-    print(
-        "alone on each server, the largest context's size: "
-        + ", ".join(
-            f"{r['config']} {r['solo']['solo_cold_ttft_ms']:.0f} ms computed / "
-            f"{r['solo']['solo_cached_ttft_ms']:.0f} ms cached"
-            for r in rows
+    if args.repeats == 1:
+        print(
+            "alone on each server, the largest context's size: "
+            + ", ".join(
+                f"{r['config']} {r['solo']['solo_cold_ttft_ms']:.0f} ms computed / "
+                f"{r['solo']['solo_cached_ttft_ms']:.0f} ms cached"
+                for r in rows
+            )
         )
-    )
     write_json(
         args.json_out,
         {
@@ -1073,6 +1105,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log(f"wrote {args.json_out}")
     return 0 if all(not r["errors"] for r in rows) else 1
+
+
+def run_round(
+    args: argparse.Namespace,
+    order: Sequence[str],
+    sizing: Sizing,
+    workload: Workload,
+    probe: str,
+    tiers: Sequence[str],
+    tmp: Path,
+    argvs: dict[str, list[str]],
+    rnd: int,
+) -> list[dict[str, Any]]:
+    """Each configuration of ``order`` once, on a fresh server: its summary row."""
+    rows: list[dict[str, Any]] = []
+    for key in order:
+        config = CONFIGS[key]
+        argv_serve = serve_argv(config, sizing, args, tmp)
+        argvs[key] = argv_serve[3:]
+        prefix = f"round {rnd + 1}/{args.repeats}: " if args.repeats > 1 else ""
+        log(f"{prefix}{key} ({config.label}): starting kvtier serve ...")
+        server = start_server(argv_serve, tmp / f"serve-r{rnd}-{key}.log")
+        try:
+            solo = warm_up(server, probe, args.max_tokens)
+            before = cache_stats(server)
+            per_block = before.get("bytes_per_block")
+            if tiers and per_block != BUNDLED_BYTES_PER_TOKEN * args.block_size:
+                log(
+                    f"  note: the server's blocks are {per_block} bytes, tier sizes assumed "
+                    f"{BUNDLED_BYTES_PER_TOKEN * args.block_size}"
+                )
+            run = asyncio.run(replay(server, workload, config, args.max_tokens))
+            if server.proc.poll() is not None:
+                raise SystemExit(
+                    f"kvtier serve exited during the run (status {server.proc.returncode});"
+                    f" last lines of its log:\n{log_tail(server.log_path)}"
+                )
+            after = cache_stats(server)
+        finally:
+            stop_server(server)
+        row = summarize(config, run, before, after)
+        row["solo"] = solo
+        log(
+            f"  TTFT p50 {row['ttft_p50_ms']:.0f} ms, p90 {row['ttft_p90_ms']:.0f} ms "
+            f"(turns 2+), device {100 * row['later_shares'].get('device', 0.0):.1f}% of "
+            f"their prompt tokens, {row['errors']} errors, {row['wall_s']:.0f}s; alone, a "
+            f"{solo['probe_prompt_tokens']}-token prompt: {solo['solo_cold_ttft_ms']:.0f} ms "
+            f"computed, {solo['solo_cached_ttft_ms']:.0f} ms cached"
+        )
+        if row["ttft_p50_ms"] > solo["solo_cold_ttft_ms"]:
+            log(
+                "  note: the median turn waited longer than computing the largest prompt "
+                "alone takes: requests queued, and queueing, not the cache, sets these "
+                "TTFTs (fewer --sessions, a longer --stagger or longer --pause-medians "
+                "fit this machine better)"
+            )
+        if row["errors"]:
+            log(
+                f"  errors: {row['error_samples']}\n  server log tail:\n"
+                f"{log_tail(server.log_path, 15)}"
+            )
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

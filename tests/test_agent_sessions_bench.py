@@ -210,3 +210,36 @@ def test_ratios_against_default() -> None:
     cells = dict(zip(headers, table[1], strict=True))
     assert cells["p50 vs default"] == "0.75x" and cells["device vs default"] == "+10.0 pts"
     assert cells["host"] == "10.0%" and cells["computed"] == "30.0%"
+
+
+def test_rounds_rotate_and_combine_into_medians_with_the_spread() -> None:
+    configs = ["default", "hints", "lru"]
+    firsts = [ab.round_order(configs, r)[0] for r in range(4)]
+    assert firsts == ["default", "hints", "lru", "default"]
+
+    def row(key: str, p50: float, device: float) -> dict[str, Any]:
+        return {"config": key, "policy": key, "requests": 10, "errors": 0,
+                "error_samples": [], "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50,
+                "first_turn_ttft_p50_ms": p50, "latency_p50_ms": p50, "requests_per_s": 1.0,
+                "wall_s": 9.0, "later_turns": 8, "later_prompt_tokens": 100,
+                "later_shares": {"device": device, "computed": 1.0 - device}}  # fmt: skip
+
+    rounds = []
+    for base, hinted, dev in ((400.0, 200.0, 0.2), (800.0, 600.0, 0.1), (500.0, 450.0, 0.3)):
+        rows = [row("default", base, 0.5), row("hints", hinted, 0.5 + dev)]
+        ab.add_ratios(rows)
+        rounds.append(rows)
+    assert ab.combine_rounds(rounds[:1]) == rounds[0]
+    combined = ab.combine_rounds(rounds)
+    hints = combined[1]
+    assert hints["config"] == "hints" and hints["ttft_p50_ms"] == 450.0
+    assert hints["requests"] == 30 and len(hints["rounds"]) == 3
+    # Each round's ratio first (0.5, 0.75, 0.9), then their median and range.
+    assert hints["vs_default"]["ttft_p50_ratio"] == pytest.approx(0.75)
+    assert hints["ratio_ranges"]["ttft_p50_ratio"] == pytest.approx([0.5, 0.9])
+    assert hints["vs_default"]["device_share_points"] == pytest.approx(20.0)
+    assert hints["later_shares"]["device"] == pytest.approx(0.7)
+    headers, table = ab.result_table(combined, [])
+    cells = dict(zip(headers, table[1], strict=True))
+    assert cells["p50 vs default, range"] == "0.50-0.90x"
+    assert cells["device vs default, range"] == "+10.0 to +30.0"
