@@ -85,10 +85,7 @@ class AgentSupport:
     def arrived(self, seq: Any) -> None:
         """A request was queued: a session it continues is back (its blocks are held
         until the request is served, not only until its TTL ran out)."""
-        hints: Hints | None = getattr(seq, "hints", None)
-        if hints is None or hints.session_id is None or self.policy is None:
-            return
-        self.policy.on_arrival(hints, self.engine.manager.clock())
+        self.hold_waiting((seq,))
 
     def hold_waiting(self, waiting: Sequence[Any]) -> None:
         """Renew the holds of sessions whose requests still wait (before a step admits):
