@@ -213,10 +213,23 @@ def test_loading_a_gguf_file_parses_it_once_and_loads_what_transformers_loads(
             super().__init__(file, mode)
 
     monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    from transformers import modeling_gguf_pytorch_utils as loader_module
+
+    decoded: list[bool] = []  # return_tensors of each call that reached transformers' loader
+    real_load = loader_module.load_gguf_checkpoint
+
+    def counting_load(file: Any, return_tensors: bool = False, **kw: Any) -> Any:
+        decoded.append(return_tensors)
+        return real_load(file, return_tensors, **kw)
+
+    monkeypatch.setattr(loader_module, "load_gguf_checkpoint", counting_load)
     loaded = load_model(path)
-    # The config, the tokenizer, the geometry probe and the weights: one parse for all.
+    # The config, the tokenizer, the geometry probe and the weights: one parse for all,
+    # and the metadata (every vocabulary entry decoded) once, however many ask for it.
     assert parsed == [str(path)]
+    assert decoded == [False, True]
     assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is name_map
+    assert loader_module.load_gguf_checkpoint is counting_load
     for name, tensor in written.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
     kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -224,6 +237,31 @@ def test_loading_a_gguf_file_parses_it_once_and_loads_what_transformers_loads(
     assert len(parsed) > 1  # transformers alone parses it again, for the tokenizer
     text = "<|im_start|>user\nabc<|im_end|>"
     assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_a_gguf_files_config_is_decoded_once_per_process_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import modeling_gguf_pytorch_utils as loader_module
+
+    from kvtier.engine.model import probe_model
+
+    path = tmp_path / "tiny-qwen2.gguf"
+    _write_qwen2_gguf(path)
+    decoded: list[str] = []
+    real_load = loader_module.load_gguf_checkpoint
+
+    def counting_load(file: Any, return_tensors: bool = False, **kw: Any) -> Any:
+        decoded.append(str(file))
+        return real_load(file, return_tensors, **kw)
+
+    monkeypatch.setattr(loader_module, "load_gguf_checkpoint", counting_load)
+    first, again = probe_model(path), probe_model(path)
+    assert len(decoded) == 1 and first == again
+    _write_qwen2_gguf(path)  # rewritten: another modification time, read afresh
+    path.touch()
+    probe_model(path)
+    assert len(decoded) == 2
 
 
 def test_a_gguf_files_weights_are_sized_from_its_tensor_table(tmp_path: Path) -> None:

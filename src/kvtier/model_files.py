@@ -56,6 +56,11 @@ def locate(spec: str | os.PathLike[str] | None, model_id: str | None) -> tuple[P
     return path, model_id or (path.stem if path.is_file() else path.name)
 
 
+def is_gguf(spec: str | os.PathLike[str] | None) -> bool:
+    """Whether ``spec`` names a GGUF file (``None``, the bundled default, is one)."""
+    return spec is None or Path(spec).suffix == ".gguf"
+
+
 def from_pretrained_args(path: Path) -> tuple[str, dict[str, Any]]:
     """``(directory, kwargs)`` for transformers' ``from_pretrained`` on a file or directory."""
     kwargs: dict[str, Any] = {"local_files_only": True}

@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
         from kvtier.engine import DEFAULT_MODEL_ID, Engine, EngineWorker
         from kvtier.engine.gguf_meta import gguf_parsed_once
+        from kvtier.model_files import is_gguf
         from kvtier.server import create_app
     except ImportError as exc:
         raise ConfigError(
@@ -176,10 +177,10 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     try:
         block_line = None
-        if args.block_size is None:
-            config, block_line = state_block_size(config)
         # A GGUF file is parsed once for the checks and the load together.
-        with gguf_parsed_once():
+        with gguf_parsed_once(is_gguf(config.model)):
+            if args.block_size is None:
+                config, block_line = state_block_size(config)
             tokenizer, warnings = preflight(config)
             if block_line is not None:
                 print(f"kvtier: {block_line}", flush=True)

@@ -12,11 +12,13 @@ Loading the model itself still goes through transformers, which parses the
 whole file once for the config, once for the tokenizer and once for the
 weights, and builds gguf's tensor-name map once per module; on SmolLM2 that
 was 40 of the 45 seconds a load took. :func:`gguf_parsed_once` makes a load
-parse each file once and build each map once.
+parse each file once, decode its metadata (the vocabulary included) once and
+build each map once.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import mmap
 import os
@@ -162,13 +164,19 @@ def _read(path: str | Path, *, tensors: bool) -> tuple[Meta, int]:
 
 
 @contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """Within the block, ``gguf.GGUFReader`` parses each (unchanged) file once and
-    ``gguf.get_tensor_name_map`` builds each architecture's map once; both are as before
-    after it. Their results are only read by transformers' loader, so sharing them
-    changes nothing it computes. Without the ``gguf`` package the block runs as it is.
+def gguf_parsed_once(enabled: bool = True) -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader`` parses each (unchanged) file once,
+    ``gguf.get_tensor_name_map`` builds each architecture's map once, and transformers'
+    metadata-only ``load_gguf_checkpoint(path)`` (its config and tokenizer, every value
+    decoded: seconds for a 49k-token vocabulary) runs once per file, each caller getting
+    a copy of its own; all are as before after it. Their results are only read by
+    transformers' loader, so sharing them changes nothing it computes. Without the
+    ``gguf`` package, or with ``enabled`` false (the model is no GGUF file: nothing to
+    share, and transformers' GGUF modules are not worth importing), the block runs as it is.
     """
     try:
+        if not enabled:
+            raise ImportError
         import gguf
     except ImportError:
         yield
@@ -191,11 +199,36 @@ def gguf_parsed_once() -> Iterator[None]:
         return parsed
 
     reader._kvtier_shared = True  # type: ignore[attr-defined]
-    # transformers imports both from the package at each call, so the package is patched.
+    loader_module, load = _transformers_loader()
+    parsed_metadata: dict[tuple[str, int, int], Any] = {}
+
+    def load_checkpoint(path: Any, return_tensors: bool = False, *args: Any, **kw: Any) -> Any:
+        if return_tensors or args or kw:
+            return load(path, return_tensors, *args, **kw)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        if key not in parsed_metadata:
+            parsed_metadata[key] = load(path, False)
+        return copy.deepcopy(parsed_metadata[key])
+
+    # transformers imports these from their modules at each call, so the modules are patched.
     setattr(gguf, "GGUFReader", reader)  # noqa: B010
     setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))  # noqa: B010
+    if loader_module is not None:
+        setattr(loader_module, "load_gguf_checkpoint", load_checkpoint)  # noqa: B010
     try:
         yield
     finally:
         setattr(gguf, "GGUFReader", reader_class)  # noqa: B010
         setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
+        if loader_module is not None:
+            setattr(loader_module, "load_gguf_checkpoint", load)  # noqa: B010
+
+
+def _transformers_loader() -> tuple[Any, Any]:
+    """transformers' GGUF loader module and its ``load_gguf_checkpoint``, or ``(None, None)``."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as module
+    except ImportError:
+        return None, None
+    return module, module.load_gguf_checkpoint

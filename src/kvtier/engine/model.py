@@ -8,6 +8,7 @@ directory or a ``.gguf`` file. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from kvtier.layout import DTYPE_BYTES, KVLayout
 from kvtier.model_files import DEFAULT_MODEL_ID as DEFAULT_MODEL_ID
 from kvtier.model_files import default_model_file as default_model_file
 from kvtier.model_files import from_pretrained_args as _from_pretrained_args
+from kvtier.model_files import is_gguf
 from kvtier.model_files import load_tokenizer as load_tokenizer
 from kvtier.model_files import locate as _locate
 
@@ -194,9 +196,28 @@ def _config_getter(cfg: dict[str, Any]) -> Callable[[str], object]:
     return get
 
 
+#: ``_gguf_config``'s answers by file (real path, modification time, size).
+_GGUF_CONFIGS: dict[tuple[str, int, int], dict[str, Any] | None] = {}
+
+
 def _gguf_config(path: Path) -> dict[str, Any] | None:
     """The config transformers' GGUF loader reads from a GGUF file's metadata (no tensors),
-    or ``None`` when transformers (or its ``gguf`` dependency) cannot read it."""
+    or ``None`` when transformers (or its ``gguf`` dependency) cannot read it.
+
+    The loader decodes every metadata value, the whole vocabulary included (seconds for
+    SmolLM2), and a server probes its model several times before it loads it (the
+    preflight, the state block size, the engine's own check): each file is read once
+    per process, and each caller gets a copy of its own.
+    """
+    st = path.stat()
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    if key not in _GGUF_CONFIGS:
+        _GGUF_CONFIGS[key] = _read_gguf_config(path)
+    found = _GGUF_CONFIGS[key]
+    return None if found is None else copy.deepcopy(found)
+
+
+def _read_gguf_config(path: Path) -> dict[str, Any] | None:
     try:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -348,7 +369,7 @@ def load_model(
     from kvtier.engine.gguf_meta import gguf_parsed_once
 
     torch_dtype = resolve_dtype(dtype)
-    with gguf_parsed_once():  # transformers would parse a GGUF file once per part
+    with gguf_parsed_once(is_gguf(spec)):  # transformers would parse a GGUF file once per part
         probe_model(spec, model_id=model_id)  # refuses what cannot be served, before any weights
         if tokenizer is None:
             tokenizer = load_tokenizer(spec)
