@@ -222,7 +222,7 @@ def test_prefetch_from_redis_lets_ready_requests_go_first(
     # The small device kept the agents due first; the others' prompts went to Redis.
     grants = eng.agents.prefetcher.start() if eng.agents.prefetcher else []
     assert grants, "an agent due soon had its prompt on Redis"
-    agent = grants[0].candidate.agent[1]
+    agent = grants[0].candidate.target[1]
     waiting = eng.add_request(prompts[agent], GREEDY)
     ready = eng.add_request(list(range(5, 40)), GREEDY)
     batch = eng.scheduler.schedule().batch

@@ -150,6 +150,35 @@ def test_serve_prefetch_flags(capsys: pytest.CaptureFixture[str]) -> None:
         tiny_engine(block_size=4, num_blocks=32, prefetch=prefetch)
 
 
+def test_serve_session_prefetch_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+    from kvtier.cli.serve import add_parser, engine_config
+    from kvtier.offload.host import HostStore
+    from kvtier.offload.tier import Tier
+
+    # Refused before any model loads: without a tier, without the workflow policy, and
+    # with a lead that is no number of seconds.
+    assert main(["serve", "--prefetch-session-lead", "1", "--port", "0"]) == 1
+    assert "add a tier" in capsys.readouterr().err
+    tier = ["--tier", "host:1MiB"]
+    assert main(["serve", "--prefetch-session-lead", "1", *tier, "--port", "0"]) == 1
+    assert "--policy workflow" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--prefetch-session-lead", "soon", "--policy", "workflow"])
+    assert "--prefetch-session-lead" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--prefetch-session-lead", "1.5"])
+    prefetch = engine_config(args).prefetch
+    assert (prefetch.lookahead, prefetch.session_lead_s) == (0, 1.5)
+    eng = tiny_engine(
+        block_size=4, num_blocks=32, policy="workflow", tiers=[Tier(HostStore(), 64)],
+        prefetch=prefetch,
+    )
+    assert eng.agents.prefetcher is not None and eng.agents.session_lead == 1.5
+    eng.close()
+
+
 def test_hints_on_completions_are_applied(server: Any) -> None:
     base = server.base
     client = server.client()

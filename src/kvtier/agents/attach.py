@@ -6,26 +6,28 @@ workflow policy's own, when the device runs ``policy="workflow"``), registers
 workflows (hashing agents' prompt prefixes with the engine's block keys),
 tells the policy when a hinted request finishes (so ``cache_ttl_s`` pins its
 blocks, generated ones included, from that moment), remembers each agent's
-last prompt, and runs the :class:`~kvtier.agents.prefetch.Prefetcher` when
-prefetch is on (:meth:`enable_prefetch`; it needs tiers).
+and each session's last prompt, and runs the
+:class:`~kvtier.agents.prefetch.Prefetcher` when prefetch is on
+(:meth:`enable_prefetch`; it needs tiers): for agents due within a number of
+workflow steps, and for paused sessions due back within a lead time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvtier.agents.graph import AgentSpec, WorkflowSpec, WorkflowState
 from kvtier.agents.pinstats import TOP_SESSIONS, pin_report
 from kvtier.agents.policy import workflow_policy_of
-from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher
+from kvtier.agents.prefetch import DEFAULT_PREFETCH_BYTES, Prefetcher, SessionTarget
 from kvtier.agents.tracker import WorkflowTracker
 from kvtier.errors import BadRequestError, ConfigError
 from kvtier.hints import Hints
 from kvtier.keys import cache_salt_key
 
-#: Agents whose last prompt is remembered for prefetch, at most.
+#: Agents and sessions whose last prompt is remembered for prefetch, at most.
 MAX_REMEMBERED = 10_000
 
 
@@ -49,7 +51,12 @@ class AgentSupport:
         self.prefetcher: Prefetcher | None = None
         #: Released keys a tier was still loading: freed at a later release_ended.
         self._release_later: list[int] = []
-        self._last: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        #: The last prompt (token ids, block keys) of each agent ``(workflow, agent)`` and
+        #: each :class:`SessionTarget`, for prefetch.
+        self._last: dict[Hashable, tuple[list[int], list[int]]] = {}
+        #: Seconds before a paused session is due back that its blocks are prefetched
+        #: (None: sessions are not prefetched).
+        self.session_lead: float | None = None
 
     # -- workflows ------------------------------------------------------------------
     def register(self, spec: WorkflowSpec, *, cache_salt: str | None = None) -> WorkflowState:
@@ -110,19 +117,28 @@ class AgentSupport:
         keys = manager.block_keys(seq.seq_id)
         if self.policy is not None:
             self.policy.on_finish(keys, manager.clock(), hints)
+        what: list[Hashable] = []
         if hints.workflow_id and hints.agent_id:
-            bs = manager.block_size
-            agent = (hints.workflow_id, hints.agent_id)
-            self._last.pop(agent, None)
-            self._last[agent] = (list(seq.tokens[: len(keys) * bs]), keys)
+            what.append((hints.workflow_id, hints.agent_id))
+        if self.session_lead is not None and hints.session_id and not hints.session_end:
+            what.append(SessionTarget(hints.session_id))
+        if what:
+            last = (list(seq.tokens[: len(keys) * manager.block_size]), keys)
+            for target in what:
+                self._last.pop(target, None)
+                self._last[target] = last
             while len(self._last) > MAX_REMEMBERED:
                 self._last.pop(next(iter(self._last)))
 
-    def target(self, agent: tuple[str, str]) -> tuple[Sequence[int], Sequence[int]] | None:
-        """Token ids and block keys to prefetch for ``agent``: its last prompt, or its prefix."""
-        last = self._last.get(agent)
+    def target(self, what: Hashable) -> tuple[Sequence[int], Sequence[int]] | None:
+        """Token ids and block keys to prefetch for ``what`` (an agent's ``(workflow,
+        agent)`` or a :class:`SessionTarget`): its last prompt, or an agent's prefix."""
+        last = self._last.get(what)
         if last is not None and last[1]:
             return last
+        if not isinstance(what, tuple) or len(what) != 2:
+            return None
+        agent: tuple[str, str] = what
         state = self.tracker.get(agent[0])
         spec: AgentSpec | None = state.agent(agent[1]) if state is not None else None
         if spec is None or not spec.prefix_tokens or not spec.prefix_keys:
@@ -138,6 +154,7 @@ class AgentSupport:
         if self.policy is None:
             return False
         ended = self.policy.end_session(session_id)
+        self._last.pop(SessionTarget(session_id), None)
         self.release_ended()
         return ended
 
@@ -167,19 +184,61 @@ class AgentSupport:
         now = self.engine.manager.clock()
         return pin_report(self.policy, tiers, now, top=top, keep=keep, shown=shown)
 
-    def enable_prefetch(self, lookahead: int = 2, max_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
-        """Prefetch blocks of agents due within ``lookahead`` steps (needs tiers)."""
+    def enable_prefetch(
+        self,
+        lookahead: int = 2,
+        max_bytes: int = DEFAULT_PREFETCH_BYTES,
+        session_lead: float | None = None,
+    ) -> None:
+        """Prefetch blocks of agents due within ``lookahead`` steps and, with
+        ``session_lead`` (seconds; needs the workflow policy), of paused sessions due
+        back within that long (needs tiers)."""
         if self.engine.tier_chain is None:
             raise ConfigError("prefetch brings blocks back from tiers: configure a tier first")
         policy = self.policy
+        if session_lead is not None:
+            if not session_lead >= 0.0 or session_lead == float("inf"):
+                raise ConfigError(
+                    f"the session prefetch lead must be seconds >= 0, got {session_lead!r}"
+                )
+            if policy is None:
+                raise ConfigError(
+                    "session prefetch follows the workflow policy's sessions: serve with "
+                    "--policy workflow"
+                )
+            policy.sessions.expect_returns = True
+        self.session_lead = session_lead
         self.prefetcher = Prefetcher(
             self.engine,
             self.target,
-            self.tracker.due,
+            self.due,
             policy.evictable_due_after if policy is not None else (lambda _d: 0),
             lookahead,
             max_bytes,
         )
+
+    def due(self, within: int) -> list[tuple[int, Hashable]]:
+        """Prefetch targets due soon: agents within ``within`` steps, soonest first, then
+        paused sessions due back within the session lead, soonest first (each at
+        distance 0: it may take blocks only of what is due later than any agent)."""
+        out: list[tuple[int, Hashable]] = [(d, (w, a)) for d, w, a in self.tracker.due(within)]
+        policy, lead = self.policy, self.session_lead
+        if policy is not None and lead is not None:
+            now = self.engine.manager.clock()
+            out.extend((0, SessionTarget(s)) for s in policy.sessions.returning(now, lead))
+        return out
+
+    def next_due_in(self) -> float | None:
+        """Seconds until a paused session comes within the session lead of its return
+        (0.0: one has), for an idle server to wake then; None when none is expected."""
+        policy, lead = self.policy, self.session_lead
+        if self.prefetcher is None or policy is None or lead is None:
+            return None
+        back = policy.sessions.next_return()
+        if back is None:
+            return None
+        now: float = self.engine.manager.clock()
+        return max(back - lead - now, 0.0)
 
     def poll(self) -> None:
         if self.prefetcher is not None:

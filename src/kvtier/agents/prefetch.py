@@ -1,10 +1,12 @@
 """Prefetch: bring the blocks of agents due soon back from the tiers before their requests.
 
-Every engine step, :class:`Prefetcher` asks the workflow tracker which agents
-are due within ``lookahead`` steps, soonest first, and for each one whose
-prompt blocks (its registered prefix, or what its last request used) sit on
-a tier below the device, starts loading them in the background through the
-tier chain's own async loads (:meth:`~kvtier.offload.chain.TierChain.start_load`).
+Every engine step, :class:`Prefetcher` asks which targets are due soon,
+soonest first: agents due within ``lookahead`` steps of their workflows, and
+paused sessions due back within a lead time of when their TTL says they
+return. For each one whose prompt blocks (an agent's registered prefix, or
+what the target's last request used) sit on a tier below the device, it
+starts loading them in the background through the tier chain's own async
+loads (:meth:`~kvtier.offload.chain.TierChain.start_load`).
 The blocks are published on the device at once, marked not ready, and
 installed when their reads are in; a request that needs them is passed over
 by the scheduler until then, so requests that are ready run first.
@@ -19,7 +21,7 @@ policy only empty blocks are used), so it never evicts a block due sooner.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +35,19 @@ DEFAULT_PREFETCH_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
+class SessionTarget:
+    """A paused session as a prefetch target (an agent is its ``(workflow, agent)``)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
-    """An agent due soon whose blocks a tier holds."""
+    """A target due soon (an agent's ``(workflow, agent)``, or a :class:`SessionTarget`)
+    whose blocks a tier holds."""
 
     distance: int
-    agent: tuple[str, str]
+    target: Hashable
     #: Blocks a tier could bring in (after those already on the device).
     blocks: int
 
@@ -88,7 +98,7 @@ def plan_prefetch(
 @dataclass
 class _Fetch:
     request_id: str
-    agent: tuple[str, str]
+    target: Hashable
     distance: int
     keys: list[int]
     #: Blocks of the prefix already on the device when it began (held, not loaded).
@@ -118,9 +128,10 @@ class Prefetcher:
     """Background prefetch for one engine (see the module docstring)."""
 
     engine: Any
-    #: ``(workflow, agent) -> (token ids, block keys)`` of what to fetch for an agent.
-    targets: Callable[[tuple[str, str]], tuple[Sequence[int], Sequence[int]] | None]
-    due: Callable[[int], list[tuple[int, str, str]]]
+    #: ``target -> (token ids, block keys)`` of what to fetch for a target.
+    targets: Callable[[Hashable], tuple[Sequence[int], Sequence[int]] | None]
+    #: ``lookahead -> [(steps, target)]`` of the targets due within it, soonest first.
+    due: Callable[[int], Sequence[tuple[int, Hashable]]]
     evictable_after: Callable[[int], int]
     lookahead: int = 2
     max_bytes: int = DEFAULT_PREFETCH_BYTES
@@ -194,8 +205,8 @@ class Prefetcher:
         manager = engine.manager
         bpb = engine.layout.bytes_per_block
         found: list[tuple[Candidate, Sequence[int], Sequence[int], int]] = []
-        for distance, wid, aid in self.due(self.lookahead):
-            target = self.targets((wid, aid))
+        for distance, what in self.due(self.lookahead):
+            target = self.targets(what)
             if target is None:
                 continue
             tokens, keys = target
@@ -207,7 +218,7 @@ class Prefetcher:
                 continue  # being computed or loaded already
             t = len(tiers.lookup(rest))
             if t:
-                found.append((Candidate(distance, (wid, aid), t), tokens, keys, dev))
+                found.append((Candidate(distance, what, t), tokens, keys, dev))
         if not found:
             return []
         budget = self.max_bytes - self.in_flight_bytes
@@ -252,7 +263,7 @@ class Prefetcher:
         loading = list(keys[dev : dev + n])
         engine.queues.unready.hold(loading)
         nbytes = n * bpb
-        self._fetches.append(_Fetch(rid, c.agent, c.distance, loading, dev, nbytes, pending))
+        self._fetches.append(_Fetch(rid, c.target, c.distance, loading, dev, nbytes, pending))
         cnt = self.counters
         cnt.started += 1
         cnt.blocks += n

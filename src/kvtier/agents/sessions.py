@@ -23,11 +23,16 @@ with the session's TTL pins, as data (:class:`SessionStep`):
   session's pin ends that much after its pause: it will wait too). A session returns
   when its request arrives, not when it is served, so the pauses (and the
   stretch) are learned from arrivals: a busy server's queue does not make
-  its sessions' tools look slow.
+  its sessions' tools look slow;
+* say which paused sessions are due back soon (:meth:`SessionBook.returning`),
+  for a prefetch to bring their blocks back from the tiers before they
+  come: a hinted session is expected back when its (stretched, bounded)
+  TTL runs out, one without a hint after its own mean pause.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -94,6 +99,8 @@ class Session:
     arrived: float = 0.0
     #: Its agent kind (the last ``agent_id`` it named), whose pauses bound its TTLs.
     kind: str | None = None
+    #: When it is expected back from its pause (0.0: not paused, or no estimate).
+    back: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,14 @@ class SessionBook:
         #: Mean seconds between a session's request arriving and its being served.
         self.wait = 0.0
         self._kinds: OrderedDict[str, KindPauses] = OrderedDict()
+        #: Whether :meth:`returning` is asked (a prefetch is on); only then are returns
+        #: kept in order.
+        self.expect_returns = False
+        #: ``(back, session)`` of paused sessions, soonest first; an entry whose
+        #: ``back`` is no longer its session's is stale and skipped.
+        self._returns: list[tuple[float, str]] = []
+        #: Sessions within the lead of their return: session -> back.
+        self._soon: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -177,6 +192,7 @@ class SessionBook:
         if h.agent_id is not None:
             rec.kind = h.agent_id
         previous = rec.until
+        rec.back = 0.0
         # Due when it is served: back after its pause, then as long as requests wait.
         if h.cache_ttl_s:
             ttl = h.cache_ttl_s * self.stretch
@@ -184,8 +200,10 @@ class SessionBook:
             if kind is not None:
                 ttl = kind.bound(ttl)
             rec.until = now + ttl + self.wait
+            self._expect(sid, rec, now + ttl)
         elif rec.pause > 0.0 and not hinted_before:
             rec.until = now + 2.0 * rec.pause + self.wait  # no hint: its own pauses so far
+            self._expect(sid, rec, now + rec.pause)
         else:
             return SessionStep(release=release)
         return SessionStep(release=release, pin=(rec.keys, rec.until, previous))
@@ -219,6 +237,7 @@ class SessionBook:
             if rec.since > 0.0:
                 self._paused(rec, now)
             rec.arrived = now
+        rec.back = 0.0  # it is back: nothing to prefetch for it
         previous = rec.until
         rec.until = now + max(MIN_HOLD, self.wait)
         return SessionStep(pin=(rec.keys, rec.until, previous))
@@ -239,6 +258,58 @@ class SessionBook:
             else:
                 kinds.move_to_end(rec.kind)
             kind.add(pause)
+
+    def _expect(self, sid: str, rec: Session, back: float) -> None:
+        rec.back = back
+        if not self.expect_returns:
+            return
+        returns = self._returns
+        heapq.heappush(returns, (back, sid))
+        if len(returns) > 4 * len(self._sessions) + 1024:  # mostly stale: keep the live ones
+            live = self._sessions
+            returns[:] = [(b, s) for b, s in returns if (r := live.get(s)) and r.back == b]
+            heapq.heapify(returns)
+
+    def returning(self, now: float, lead: float) -> list[str]:
+        """Paused sessions expected back within ``lead`` seconds of ``now``, or overdue
+        while their pins still hold, soonest first (with :attr:`expect_returns` on).
+
+        A session leaves the list when its next request arrives, when it
+        pauses again with another estimate, when its pins end, and when it
+        ends. Changes nothing but the bookkeeping of that order.
+        """
+        sessions = self._sessions
+        returns, soon = self._returns, self._soon
+        while returns and returns[0][0] - lead <= now:
+            back, sid = heapq.heappop(returns)
+            rec = sessions.get(sid)
+            if rec is not None and rec.back == back:
+                soon[sid] = back
+        due: list[tuple[float, str]] = []
+        for sid, back in list(soon.items()):
+            rec = sessions.get(sid)
+            if rec is None or rec.back != back or rec.until <= now:
+                del soon[sid]
+            else:
+                due.append((back, sid))
+        due.sort()
+        return [sid for _, sid in due]
+
+    def next_return(self) -> float | None:
+        """When the paused session expected back soonest is expected (None: none is)."""
+        sessions, returns = self._sessions, self._returns
+        while returns:
+            back, sid = returns[0]
+            rec = sessions.get(sid)
+            if rec is not None and rec.back == back:
+                return back
+            heapq.heappop(returns)
+        return None
+
+    def last_keys(self, session_id: str) -> list[int]:
+        """The block keys of the session's last request (empty if it is unknown)."""
+        rec = self._sessions.get(session_id)
+        return [] if rec is None else rec.keys
 
     def kind(self, agent_id: str) -> KindPauses | None:
         """The pauses seen of agent kind ``agent_id``, if any."""

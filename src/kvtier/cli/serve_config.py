@@ -127,7 +127,11 @@ def engine_config(args: argparse.Namespace) -> Any:
         sampling_defaults=sampling or None,
         kv_events=args.kv_events,
         encoder_cache=_encoder_cache_spec(args),
-        prefetch=PrefetchConfig(lookahead=args.prefetch_lookahead, max_bytes=args.prefetch_memory),
+        prefetch=PrefetchConfig(
+            lookahead=args.prefetch_lookahead,
+            max_bytes=args.prefetch_memory,
+            session_lead_s=args.prefetch_session_lead,
+        ),
     )
 
 

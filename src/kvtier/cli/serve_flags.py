@@ -510,6 +510,15 @@ def _add_tiers(serve: argparse.ArgumentParser) -> None:
         "workflow; default 0: off)",
     )
     tiers.add_argument(
+        "--prefetch-session-lead",
+        type=arg(float_in("number of seconds", 0.0, 86400.0), "lead"),
+        default=None,
+        metavar="S",
+        help="bring the blocks of a paused session back from the tiers S seconds before "
+        "it is due (its cache_ttl_s hint, as the workflow policy learns it, or its own "
+        "mean pause); needs a tier and --policy workflow (default: off)",
+    )
+    tiers.add_argument(
         "--prefetch-memory",
         type=arg(parse_memory_size, "memory size"),
         default=64 * 2**20,

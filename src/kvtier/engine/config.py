@@ -166,17 +166,28 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """Agent prefetch: blocks of agents due within ``lookahead`` steps come back from tiers."""
+    """Agent prefetch: blocks of agents due within ``lookahead`` steps, and of paused
+    sessions due back within ``session_lead_s`` seconds, come back from tiers."""
 
     #: Steps ahead an agent may be to have its blocks brought back (0: off).
     lookahead: int = 0
     #: Bytes of blocks prefetches read at once, at most.
     max_bytes: int = 64 * 2**20
+    #: Seconds before a paused session is due back that its blocks come back (None: off;
+    #: needs the workflow policy, which knows when sessions are due).
+    session_lead_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ConfigError(f"prefetch lookahead must be steps >= 0, got {self.lookahead!r}")
         _positive("prefetch max_bytes", self.max_bytes)
+        lead = self.session_lead_s
+        if lead is not None and (
+            isinstance(lead, bool)
+            or not isinstance(lead, int | float)
+            or not 0.0 <= lead < float("inf")
+        ):
+            raise ConfigError(f"prefetch session_lead_s must be seconds >= 0, got {lead!r}")
 
 
 @dataclass(frozen=True)
@@ -381,6 +392,17 @@ class EngineConfig:
                 "prefetch brings blocks back from tiers: add a tier (--tier) or turn "
                 "prefetch off (--prefetch-lookahead 0)"
             )
+        if self.prefetch.session_lead_s is not None:
+            if not has_tiers:
+                raise ConfigError(
+                    "session prefetch brings blocks back from tiers: add a tier (--tier) or "
+                    "leave --prefetch-session-lead out"
+                )
+            if self.cache.policy != "workflow":
+                raise ConfigError(
+                    "session prefetch needs to know when sessions are due back: serve with "
+                    "--policy workflow, or leave --prefetch-session-lead out"
+                )
 
     @classmethod
     def from_settings(cls, **settings: Any) -> EngineConfig:

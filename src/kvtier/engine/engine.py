@@ -318,8 +318,11 @@ class Engine:
             sampling_defaults=dict(self.sampling_defaults),
         )
         config.check_prefetch(self.tier_chain is not None)
-        if config.prefetch.lookahead > 0:
-            self.agents.enable_prefetch(config.prefetch.lookahead, config.prefetch.max_bytes)
+        prefetch = config.prefetch
+        if prefetch.lookahead > 0 or prefetch.session_lead_s is not None:
+            self.agents.enable_prefetch(
+                prefetch.lookahead, prefetch.max_bytes, prefetch.session_lead_s
+            )
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -562,6 +565,14 @@ class Engine:
             return False
         p = self.agents.prefetcher
         return (p is not None and p.busy) or self.connector.stores_pending
+
+    def background_due_in(self) -> float | None:
+        """Seconds until background work falls due on its own (a paused session coming
+        within the prefetch lead of its return), for a caller that idles to call
+        :meth:`poll_background` then; None when nothing is scheduled."""
+        if self.tier_chain is None:
+            return None
+        return self.agents.next_due_in()
 
     def poll_background(self) -> None:
         """Finish tier stores and prefetches that completed, and start the prefetches now due."""

@@ -430,12 +430,22 @@ class EngineWorker:
                     or self._calls
                     or engine.has_unfinished()
                 ):
-                    if self._background_failed or not engine.background_pending():
+                    if self._background_failed:
                         self._cv.wait()
                         continue
-                    # Idle, but tier stores or prefetches are in flight: keep them moving
-                    # so the next agent's blocks are back before its request comes.
-                    self._cv.wait(BACKGROUND_POLL_S)
+                    if engine.background_pending():
+                        # Idle, but tier stores or prefetches are in flight: keep them
+                        # moving so the next agent's blocks are back before its request.
+                        self._cv.wait(BACKGROUND_POLL_S)
+                    else:
+                        # Nothing in flight: sleep until a paused session's prefetch is
+                        # due (if one is), or until something arrives.
+                        due = engine.background_due_in()
+                        if due is None:
+                            self._cv.wait()
+                            continue
+                        if due > 0.0 and self._cv.wait(due):
+                            continue  # woken by work: look at it first
                     try:
                         engine.poll_background()
                     except Exception:  # never the worker's end; requests still poll it
