@@ -35,7 +35,10 @@ The same seeded arrivals, pauses and texts run in each configuration
 * ``lru``: ``--policy lru``, no hints (the workflow policy's own fallback:
   what ``hints`` does without its hints);
 * ``learned-reuse``: ``--policy learned-reuse``, no hints (named explicitly;
-  today the same as ``default``, so a second run of it shows the noise).
+  today the same as ``default``, so a second run of it shows the noise);
+* ``hints-prefetch``: ``hints`` with ``--prefetch-session-lead 1``: a paused
+  session's blocks come back from the tiers a second before its TTL runs
+  out (needs ``--tiers``).
 
 Before the clock starts, each server answers a small warm-up request, then a
 private prompt the size of the largest context, twice, alone: the TTFT of
@@ -223,6 +226,8 @@ class Config:
     label: str
     policy: str | None  # None: the server's default
     hints: str  # "none", "exact" or "wrong"
+    #: More server flags (a configuration's own feature).
+    serve_flags: tuple[str, ...] = ()
 
 
 CONFIGS: dict[str, Config] = {
@@ -231,6 +236,13 @@ CONFIGS: dict[str, Config] = {
         Config("default", "server defaults, no hints", None, "none"),
         Config("hints", "workflow, session + TTL hints", "workflow", "exact"),
         Config("wrong-hints", "workflow, TTLs off by a factor", "workflow", "wrong"),
+        Config(
+            "hints-prefetch",
+            "workflow, session + TTL hints, sessions prefetched 1 s early",
+            "workflow",
+            "exact",
+            ("--prefetch-session-lead", "1"),
+        ),
         Config("lru", "LRU, no hints", "lru", "none"),
         Config("learned-reuse", "learned-reuse, no hints", "learned-reuse", "none"),
     )
@@ -411,6 +423,7 @@ def serve_argv(
     argv += ["--num-blocks", str(sizing.num_blocks), "--block-size", str(args.block_size)]
     if config.policy is not None:
         argv += ["--policy", config.policy]
+    argv += config.serve_flags
     if args.max_num_seqs:
         argv += ["--max-num-seqs", str(args.max_num_seqs)]
     per_block = BUNDLED_BYTES_PER_TOKEN * args.block_size
@@ -989,6 +1002,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if not 1.0 < args.wrong_factor[0] <= args.wrong_factor[1]:
         p.error("--wrong-factor MIN MAX needs 1 < MIN <= MAX")
+    if "hints-prefetch" in args.configs and args.tiers == "none":
+        p.error("hints-prefetch brings sessions back from a tier: add --tiers host (or disk)")
     return args
 
 

@@ -146,6 +146,19 @@ def test_configs_cover_the_comparison() -> None:
     args = ab.parse_args(["--quick", "--configs", "hints", "default"])
     assert args.configs == ["hints", "default"]
     assert (args.sessions, args.turns) == (3, 3)
+    # Session prefetch is the hinted run plus its flag, and needs a tier to fetch from.
+    prefetch = ab.CONFIGS["hints-prefetch"]
+    assert (prefetch.policy, prefetch.hints) == ("workflow", "exact")
+    args = ab.parse_args(["--configs", "hints", "hints-prefetch", "--tiers", "host"])
+    sizing = ab.Sizing(num_blocks=10, host_blocks=20, disk_blocks=0, peak_live_blocks=12,
+                       peak_at_s=1.0, largest_context_tokens=64)  # fmt: skip
+    argv = ab.serve_argv(prefetch, sizing, args, Path("/tmp"))
+    assert argv[argv.index("--prefetch-session-lead") + 1] == "1"
+    assert "--tier" in argv and "--prefetch-session-lead" not in ab.serve_argv(
+        ab.CONFIGS["hints"], sizing, args, Path("/tmp")
+    )
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--configs", "hints-prefetch"])
 
 
 def test_cache_sizing() -> None:

@@ -144,7 +144,7 @@ def test_without_pins_the_policy_alone_decides() -> None:
     stored(m, [1, 2])
     out = stored(m, [3])
     assert out.evicted_keys == [1] and not out.evicted_pins
-    assert m.num_pinned == 0 and m._ends == [] and m._latest == []
+    assert m.num_pinned == 0 and m._pin_orders.queued == 0
 
 
 def test_a_policy_without_pins_has_no_pin_source() -> None:

@@ -47,7 +47,6 @@ until their store completes, so they can never be chosen.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from types import MappingProxyType
 from typing import cast
 
 from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
+from kvtier.offload.pin_orders import PinOrders
 from kvtier.policy.base import EvictionPolicy, admit_chain, request_hook
 from kvtier.policy.registry import make_policy
 
@@ -139,15 +139,11 @@ class OffloadingManager:
         self.store_rejections = 0
         #: Evictions of keys whose retention pin had not ended (no unpinned key was left).
         self.pinned_evictions = 0
-        # Retention pins of held keys: key -> when the pin ends (the manager's clock).
-        self._pins: dict[int, float] = {}
+        # Retention pins of held keys: when each ends (the manager's clock), in order.
+        self._pin_orders = PinOrders()
+        self._pins: dict[int, float] = self._pin_orders.ends
         # Ready keys with a pin and no load: pinned in the policy for their pin.
         self._pin_evictable = 0
-        # The pins, soonest end first and latest end first (``(end, seq, key)`` and
-        # ``(-end, seq, key)``); an entry whose end is not its key's pin is stale.
-        self._ends: list[tuple[float, int, int]] = []
-        self._latest: list[tuple[float, int, int]] = []
-        self._seq = 0
 
     # -- introspection -------------------------------------------------------------
     def __len__(self) -> int:
@@ -209,12 +205,9 @@ class OffloadingManager:
         now = self.clock()
         self._expire(now)
         entries = self._entries
-        own = self._pins
+        orders = self._pin_orders
+        own = orders.ends
         policy = self.policy
-        ends = self._ends
-        latest = self._latest
-        push = heapq.heappush
-        seq = self._seq
         journal = self._events is not None
         changed: list[int] = []
         for key, until in pins.items():
@@ -226,85 +219,47 @@ class OffloadingManager:
             old = own.get(key)
             if old == until:
                 continue
-            own[key] = until
-            seq += 1
-            push(ends, (until, seq, key))
-            push(latest, (-until, seq, key))
+            orders.set(key, until)
             if e.ready:
                 if old is None and e.ref == 0:
                     policy.pin(key)
                     self._pin_evictable += 1
                 if journal:
                     changed.append(key)
-        self._seq = seq
         if changed:
             self._emit_pins(changed)
-        if len(ends) > 4 * len(own) + 64:
-            self._rebuild_pins()
+        orders.compact()
 
     def expire(self) -> int:
         """Drop the retention pins that ended by the manager's clock; returns how many."""
         return self._expire(self.clock()) if self._pins else 0
 
     def _expire(self, now: float) -> int:
-        ends = self._ends
-        own = self._pins
-        n = 0
-        while ends and ends[0][0] <= now:
-            until, _, key = heapq.heappop(ends)
-            if own.get(key) != until:
-                continue  # stale: the pin was replaced or dropped
-            del own[key]
-            n += 1
-            e = self._entries[key]
+        ended = self._pin_orders.pop_ended(now)
+        entries = self._entries
+        for key in ended:
+            e = entries[key]
             if e.ready and e.ref == 0:
                 self.policy.unpin(key)  # rejoins the order, as a release does
                 self._pin_evictable -= 1
-        return n
+        return len(ended)
 
     def _drop_pin(self, key: int, e: _Entry) -> None:
         """Forget ``key``'s pin (it leaves the tier); the policy is the caller's."""
-        del self._pins[key]
+        self._pin_orders.drop(key)
         if e.ready and e.ref == 0:
             self._pin_evictable -= 1
-
-    def _rebuild_pins(self) -> None:
-        """Both orders of pins without their stale entries."""
-        own = self._pins
-        self._ends = [x for x in self._ends if own.get(x[2]) == x[0]]
-        heapq.heapify(self._ends)
-        self._latest = [x for x in self._latest if own.get(x[2]) == -x[0]]
-        heapq.heapify(self._latest)
 
     def _latest_pinned(self, n: int, keep: set[int]) -> list[int]:
         """``n`` pinned ready keys no load holds and not in ``keep``, the pin that ends
         latest first (ties: pinned first); there must be that many. Changes no pin."""
-        latest = self._latest
-        own = self._pins
         entries = self._entries
-        out: list[int] = []
-        chosen: set[int] = set()
-        aside: list[tuple[float, int, int]] = []
-        pop = heapq.heappop
-        while len(out) < n:
-            if not latest:
-                raise InternalInvariantError(
-                    f"{n} pinned victims wanted on the {self.medium} tier, {len(out)} found"
-                )
-            item = pop(latest)
-            key = item[2]
-            if own.get(key) != -item[0]:
-                continue  # stale
-            aside.append(item)
+
+        def eligible(key: int) -> bool:
             e = entries[key]
-            if key in chosen or key in keep or not e.ready or e.ref:
-                continue
-            chosen.add(key)
-            out.append(key)
-        for item in aside:
-            if item[2] not in chosen:
-                heapq.heappush(latest, item)
-        return out
+            return key not in keep and e.ready and not e.ref
+
+        return self._pin_orders.latest(n, eligible, self.medium)
 
     def on_request(
         self,
@@ -643,10 +598,7 @@ class OffloadingManager:
             raise InternalInvariantError(
                 f"{self._pin_evictable} pinned keys counted evictable, tier has {pin_evictable}"
             )
-        soonest = {(u, k) for u, _, k in self._ends}
-        latest = {(-u, k) for u, _, k in self._latest}
-        for key, until in own.items():
+        for key in own:
             if key not in entries:
                 raise InternalInvariantError(f"block {key:#x} has a pin but is not held")
-            if (until, key) not in soonest or (until, key) not in latest:
-                raise InternalInvariantError(f"the pin of block {key:#x} is missing from an order")
+        self._pin_orders.check()
