@@ -203,6 +203,7 @@ class TtlPins:
                         resorted(journal, key, rank)  # its pin ends at another time now
                     continue
                 # Pinned until the past: its protection stays as it was.
+                rank = class_of.get(key, DEFAULT)
             elif ahead:
                 if moved:
                     latest.push_many(until, moved)
@@ -222,8 +223,9 @@ class TtlPins:
                         used += size
                         if latest.size > 4 * len(protected) + 64:
                             self._rebuild_latest()
-                self._rerank(key, journal)
-            rank = class_of.get(key, DEFAULT)
+                rank = self._rerank(key, journal)
+            else:
+                rank = class_of.get(key, DEFAULT)
             if rank in TIMED:
                 resorted(journal, key, rank)  # its pin ends at another time now: re-sort it
         if moved:
@@ -231,13 +233,14 @@ class TtlPins:
         self._protected_used = used
         self._replay(journal)
 
-    def _rerank(self, key: int, journal: Journal) -> None:
-        """Write down ``key``'s move to the class it ranks in now, if another."""
+    def _rerank(self, key: int, journal: Journal) -> int:
+        """Write down ``key``'s move to the class it ranks in now, if another; that class."""
         was = self._class_of.get(key, DEFAULT)
         rank = self._rank(key)
         if rank != was:
             moved(journal, key, was, rank)
             self._relabel(key, rank)
+        return rank
 
     def _protect(self, key: int, until: float) -> None:
         if self._pin_state(key, until):
