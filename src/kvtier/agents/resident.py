@@ -262,21 +262,8 @@ class ResidentKeys:
             c.unpin_many(group)
         self._pinned.difference_update(keys)
 
-    def _forget(self, key: int) -> None:
-        """``key`` left the level: drop its class membership and protection."""
-        self._class_of.pop(key, None)
-        self._resident.discard(key)
-        self._pinned.discard(key)
-        self._redepth.discard(key)
-        entry = self._protected.pop(key, None)
-        if entry is not None:
-            self._protected_used -= entry[1]
-        tag = self._tags.get(key)
-        if tag is not None and tag.owners:
-            self._unindex_owners(key, tag.owners)
-
     def _forget_all(self, victims: list[int]) -> None:
-        """:meth:`_forget` for each of ``victims``."""
+        """``victims`` left the level: drop their class membership and protection."""
         deque(map(self._class_of.pop, victims, repeat(None)), maxlen=0)
         self._resident.difference_update(victims)
         self._pinned.difference_update(victims)
@@ -298,10 +285,22 @@ class ResidentKeys:
         resident = self._resident
         if key not in resident:
             return
-        rank = self._class_of.get(key, DEFAULT)
+        rank = self._class_of.pop(key, DEFAULT)
         self._global.remove(key)
         self._classes[rank].remove(key)
-        self._forget(key)
+        # The owner drops a block's descendants with it, one call each: the rest of
+        # the key's bookkeeping goes here, without a call per table.
+        resident.discard(key)
+        self._pinned.discard(key)
+        redepth = self._redepth
+        if redepth:
+            redepth.discard(key)
+        entry = self._protected.pop(key, None)
+        if entry is not None:
+            self._protected_used -= entry[1]
+        tag = self._tags.get(key)
+        if tag is not None and tag.owners:
+            self._unindex_owners(key, tag.owners)
 
     def _recency(self) -> bool:
         return not self._class_of or (self.guard is not None and self.guard.recency)
@@ -329,7 +328,7 @@ class ResidentKeys:
             if key is None:
                 return None
             self._classes[self._rank_of(key)].remove(key)
-            self._forget(key)
+            self._forget_all([key])
             return key
         rank = self._lowest_evictable()
         if rank is None:
@@ -339,7 +338,7 @@ class ResidentKeys:
         if key is None:
             raise InternalInvariantError("a class with evictable keys found no victim")
         self._global.remove(key)
-        self._forget(key)
+        self._forget_all([key])
         return key
 
     def evict_many(self, n: int) -> list[int]:
