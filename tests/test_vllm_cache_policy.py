@@ -268,6 +268,19 @@ def test_stores_completing_together_keep_request_order() -> None:
     assert out == (["x1", "x2", "x3"], ["p2", "p1", "q2"])
 
 
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]])
+def test_a_chain_completing_in_any_order_enters_tails_first(order: list[int]) -> None:
+    # vLLM completes a store job's chunks in the order of a set of their keys (Python's
+    # hash seed decides it): the chain still joins the policy in its own order.
+    d = Driver(4, "lru")
+    ctx = d.request()
+    assert d.prepare_store(ctx, "p1", "p2", "p3", "p4") == (["p1", "p2", "p3", "p4"], [])
+    d.m.complete_store([K(f"p{i + 1}") for i in order], ctx)
+    assert d.store(d.request(), "q1") == ["p4"]
+    assert d.store(d.request(), "q2") == ["p3"]
+    d.check()
+
+
 def test_reuse_counts_once_per_request_and_stores_do_not_count() -> None:
     d = Driver(3, "lfu")
     r1 = d.request()

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError, InternalInvariantError
@@ -122,10 +123,12 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
         self._ids: dict[OffloadKey, int] = {}
         self._key_of: dict[int, OffloadKey] = {}
         # The request that stored each chunk still being written.
-        self._writer: dict[OffloadKey, str] = {}
+        #: Chunks being stored: the request storing each, and when it was inserted.
+        self._writer: dict[OffloadKey, tuple[str, int]] = {}
         # Chunks whose store completed since the last other call, in completion
-        # order, with the request that stored them.
-        self._ready: list[tuple[OffloadKey, str]] = []
+        # order, with the request that stored them and when they were inserted.
+        self._ready: list[tuple[OffloadKey, str, int]] = []
+        self._inserts = 0
         # Ready chunks the admission filter declined: evictable oldest first, and pinned.
         self._declined: OrderedDict[int, None] = OrderedDict()
         self._declined_pinned: set[int] = set()
@@ -152,7 +155,11 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
         start = 0
         for i in range(1, len(batch) + 1):
             if i == len(batch) or batch[i][1] != batch[start][1]:
-                self._admit_run([key for key, _ in batch[start:i]])
+                # vLLM completes a store job's chunks in the order of a set of their
+                # keys, which Python's hash seed decides: back in the order they were
+                # inserted (their chain's), so decisions do not depend on the seed.
+                run = sorted(batch[start:i], key=itemgetter(2))
+                self._admit_run([key for key, _, _ in run])
                 start = i
 
     def _admit_run(self, run: list[OffloadKey]) -> None:
@@ -213,11 +220,12 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
         self._ids[key] = kid
         self._key_of[kid] = key
         writer: str = req_context.req_id
+        self._inserts += 1
         if chunk.ref_cnt >= 0:
             # Already readable (vLLM inserts chunks as being stored; a caller may not).
-            self._ready.append((key, writer))
+            self._ready.append((key, writer, self._inserts))
         else:
-            self._writer[key] = writer
+            self._writer[key] = (writer, self._inserts)
 
     def remove(self, key: OffloadKey) -> None:
         self._flush()
@@ -355,10 +363,10 @@ class KvTierCachePolicy(CachePolicy):  # type: ignore[misc]
         self.policy = self._new_policy()
 
     def mark_evictable(self, key: OffloadKey) -> None:
-        writer = self._writer.pop(key, None)
-        if writer is not None:
+        stored = self._writer.pop(key, None)
+        if stored is not None:
             # A store completed (ref_cnt -1 -> 0): resident from the next call on.
-            self._ready.append((key, writer))
+            self._ready.append((key, *stored))
             return
         # The last load completed (ref_cnt 1 -> 0).
         self._flush()
