@@ -306,11 +306,6 @@ class SessionBook:
             heapq.heappop(returns)
         return None
 
-    def last_keys(self, session_id: str) -> list[int]:
-        """The block keys of the session's last request (empty if it is unknown)."""
-        rec = self._sessions.get(session_id)
-        return [] if rec is None else rec.keys
-
     def kind(self, agent_id: str) -> KindPauses | None:
         """The pauses seen of agent kind ``agent_id``, if any."""
         return self._kinds.get(agent_id)

@@ -163,6 +163,13 @@ def _read(path: str | Path, *, tensors: bool) -> tuple[Meta, int]:
         raise ConfigError(f"cannot read GGUF metadata from {p}: {exc}") from exc
 
 
+def file_identity(path: str | os.PathLike[str]) -> tuple[str, int, int]:
+    """A file as a cache key: its real path, modification time and size (a file written
+    again is another file)."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+
+
 @contextmanager
 def gguf_parsed_once(enabled: bool = True) -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader`` parses each (unchanged) file once,
@@ -191,8 +198,7 @@ def gguf_parsed_once(enabled: bool = True) -> Iterator[None]:
     def reader(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
         if mode != "r":
             return reader_class(path, mode)
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        key = file_identity(path)
         parsed = readers.get(key)
         if parsed is None:
             parsed = readers[key] = reader_class(path, mode)
@@ -205,8 +211,7 @@ def gguf_parsed_once(enabled: bool = True) -> Iterator[None]:
     def load_checkpoint(path: Any, return_tensors: bool = False, *args: Any, **kw: Any) -> Any:
         if return_tensors or args or kw:
             return load(path, return_tensors, *args, **kw)
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        key = file_identity(path)
         if key not in parsed_metadata:
             parsed_metadata[key] = load(path, False)
         return copy.deepcopy(parsed_metadata[key])

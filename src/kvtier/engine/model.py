@@ -209,8 +209,9 @@ def _gguf_config(path: Path) -> dict[str, Any] | None:
     preflight, the state block size, the engine's own check): each file is read once
     per process, and each caller gets a copy of its own.
     """
-    st = path.stat()
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    from kvtier.engine.gguf_meta import file_identity
+
+    key = file_identity(path)
     if key not in _GGUF_CONFIGS:
         _GGUF_CONFIGS[key] = _read_gguf_config(path)
     found = _GGUF_CONFIGS[key]
