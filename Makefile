@@ -15,10 +15,13 @@ SERVE_ARGS ?=
 # `make test-latest` (CONSTRAINTS empty) tries the newest releases instead.
 CONSTRAINTS ?= constraints.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS) --build-constraint $(CONSTRAINTS))
-# pip byte-compiles every module at install (a minute or two for torch, vLLM and SGLang).
-# Keep it: where PYTHONDONTWRITEBYTECODE is set (CI machines often set it) nothing
-# compiled later is cached, and every process would compile what it imports again.
-PIP := $(BIN)/pip install $(PIP_C)
+# pip would byte-compile every module it installs, 27,000 of them (about 2.5 minutes on
+# one core), where the tests import a fraction: --no-compile, and Python compiles what
+# is imported once, on first import, into __pycache__. That needs bytecode writes,
+# which PYTHONDONTWRITEBYTECODE (set on many CI machines) would turn off for every
+# process, so every recipe here runs without it.
+unexport PYTHONDONTWRITEBYTECODE
+PIP := $(BIN)/pip install --no-compile $(PIP_C)
 # Modules compiled by mypyc (see setup.py): editing one triggers a rebuild.
 # The mypyc-compiled wheel `make venv` builds (tests/test_wheel.py installs it).
 COMPILED_WHEEL_DIR := dist/compiled

