@@ -13,12 +13,15 @@ what to change; the sizes come from the model's own files (the index's
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -237,6 +240,62 @@ def test_loading_a_gguf_file_parses_it_once_and_loads_what_transformers_loads(
     assert len(parsed) > 1  # transformers alone parses it again, for the tokenizer
     text = "<|im_start|>user\nabc<|im_end|>"
     assert loaded.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_the_shared_reader_reads_every_field_and_tensor_as_gguf_does(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from kvtier.engine.gguf_meta import gguf_parsed_once
+
+    path = tmp_path / "tiny-qwen2.gguf"
+    _write_qwen2_gguf(path)
+    reference = gguf.GGUFReader(path)
+    with gguf_parsed_once():
+        shared = gguf.GGUFReader(path)
+        assert type(shared) is not type(reference)  # the plain-array reader, not gguf's
+    assert list(shared.fields) == list(reference.fields)
+    for name, field in reference.fields.items():
+        got = shared.fields[name]
+        assert (got.offset, got.data, got.types) == (field.offset, field.data, field.types), name
+        assert len(got.parts) == len(field.parts), name
+        for a, b in zip(got.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    assert [t.name for t in shared.tensors] == [t.name for t in reference.tensors]
+    for got_t, want_t in zip(shared.tensors, reference.tensors, strict=True):
+        assert got_t.tensor_type == want_t.tensor_type and list(got_t.shape) == list(want_t.shape)
+        assert got_t.data.dtype == want_t.data.dtype
+        assert np.array_equal(got_t.data, want_t.data), got_t.name
+    assert gguf.GGUFReader(path).__class__ is type(reference)  # gguf's own again after the block
+
+
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text())
+_PARSED = st.recursive(
+    _LEAF,
+    lambda inner: st.lists(inner, max_size=5)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    | st.tuples(inner, inner),
+    max_leaves=30,
+)
+
+
+@given(_PARSED)
+def test_a_fresh_copy_equals_a_deep_copy_and_shares_no_container(value: Any) -> None:
+    from kvtier.engine.gguf_meta import fresh_copy
+
+    got = fresh_copy(value)
+    assert got == copy.deepcopy(value)
+
+    def containers(v: Any) -> list[int]:
+        if isinstance(v, dict):
+            return [id(v), *(i for x in v.values() for i in containers(x))]
+        if isinstance(v, list):
+            return [id(v), *(i for x in v for i in containers(x))]
+        if isinstance(v, tuple):
+            return [i for x in v for i in containers(x)]
+        return []
+
+    assert not set(containers(got)) & set(containers(value))
 
 
 def test_a_gguf_files_config_is_decoded_once_per_process_until_the_file_changes(

@@ -8,7 +8,6 @@ directory or a ``.gguf`` file. Nothing is ever downloaded.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -209,13 +208,13 @@ def _gguf_config(path: Path) -> dict[str, Any] | None:
     preflight, the state block size, the engine's own check): each file is read once
     per process, and each caller gets a copy of its own.
     """
-    from kvtier.engine.gguf_meta import file_identity
+    from kvtier.engine.gguf_meta import file_identity, fresh_copy
 
     key = file_identity(path)
     if key not in _GGUF_CONFIGS:
         _GGUF_CONFIGS[key] = _read_gguf_config(path)
     found = _GGUF_CONFIGS[key]
-    return None if found is None else copy.deepcopy(found)
+    return None if found is None else fresh_copy(found)
 
 
 def _read_gguf_config(path: Path) -> dict[str, Any] | None:
