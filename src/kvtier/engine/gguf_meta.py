@@ -255,7 +255,7 @@ def _plain_array_reader(reader_class: Any) -> Any:
     """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.
 
     The reader slices its ``numpy.memmap`` once per value, twice per string: about
-    200,000 slices for SmolLM2's vocabulary and merges. A memmap slice runs Python
+    250,000 slices for SmolLM2's vocabulary and merges. A memmap slice runs Python
     code (``memmap.__getitem__`` and ``__array_finalize__``) where an ndarray slice
     does not, which made parsing the file take 6 seconds instead of 2. The view maps
     the same memory, so every field and tensor holds the same bytes; it is used for
