@@ -156,7 +156,8 @@ GOAL_SEEDS = (0, 1, 2)
 
 
 def _strip(lines: list[dict[str, Any]], mode: str, seed: int) -> list[dict[str, Any]]:
-    """No hints, random TTLs (lying), or each request's hints from 50 requests earlier (stale)."""
+    """No hints, random TTLs (lying), each TTL off by a random 2-10x either way (wrong),
+    or each request's hints from 50 requests earlier (stale)."""
     import random
 
     rng = random.Random(seed)
@@ -168,6 +169,11 @@ def _strip(lines: list[dict[str, Any]], mode: str, seed: int) -> list[dict[str, 
         if mode == "random":
             base["session_id"] = line.get("session_id", f"r{rng.randrange(50)}")
             base["cache_ttl_s"] = round(rng.uniform(0, 60), 3)
+        elif mode == "wrong":
+            base.update({k: v for k, v in line.items() if k in names})
+            if line.get("cache_ttl_s"):
+                factor = rng.uniform(2.0, 10.0) ** rng.choice((-1, 1))
+                base["cache_ttl_s"] = round(line["cache_ttl_s"] * factor, 3)
         elif mode == "stale":
             base.update({k: v for k, v in reqs[max(0, i - 50)].items() if k in names})
         out.append(base)
@@ -192,6 +198,7 @@ def goal_rows(quick: bool) -> list[dict[str, Any]]:
             shapes += [
                 ("tools", tools, 1000, "gap"),
                 ("tools, lying TTLs", _strip(tools, "random", seed), 1000, "lie"),
+                ("tools, TTLs off 2-10x", _strip(tools, "wrong", seed), 1000, "lie"),
                 ("tools, stale hints", _strip(tools, "stale", seed), 1000, "lie"),
                 ("tools, no hints", _strip(tools, "none", seed), 1000, "same"),
             ]

@@ -340,6 +340,7 @@ def test_a_session_end_releases_its_pins_and_sends_its_blocks_first() -> None:
     assert all(inner.rank_of(k) == PINNED for k in own + other)
     stats = inner.session_stats()
     assert stats["tracked"] == stats["live"] == 2 and stats["pinned_blocks"] == 6
+    assert stats["ttls_followed"] is True  # no pause judged yet
     p.on_request(shared + own, 4, 1.0, {"session_id": "s", "session_end": True})
     assert inner.session_stats()["ended"] == 1 and inner.session_stats()["tracked"] == 1
     # The ending request's finish repeats its hints: the session is not counted again,

@@ -209,6 +209,7 @@ def test_sessions_end_by_hint_or_endpoint_and_show_in_the_stats(server: Any) -> 
     chat(client, "another", {"session_id": "tool-2", "cache_ttl_s": 60})
     sessions = httpx.get(f"{base}/v1/cache/stats").json()["sessions"]
     assert sessions["live"] >= 2 and sessions["pinned_bytes"] > 0
+    assert sessions["ttls_followed"] is True  # no hinted pause has proved them wrong
     r = httpx.delete(f"{base}/v1/sessions/tool-1")
     assert r.status_code == 200 and r.json()["object"] == "session.ended"
     assert httpx.delete(f"{base}/v1/sessions/tool-1").status_code == 404

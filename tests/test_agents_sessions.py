@@ -14,6 +14,9 @@ from kvtier.agents.sessions import (
     HIGH_Q,
     LOW_Q,
     MIN_HOLD,
+    TRUST_MIN,
+    TRUST_WINDOW,
+    TYPICAL_Q,
     WAIT_WEIGHT,
     SessionBook,
     SessionStep,
@@ -117,7 +120,10 @@ class SessionBookMachine(RuleBasedStateMachine):
         previous = rec.until
         rec.since, rec.hinted, rec.ttl, rec.keys = self.now, hinted_before, ttl, keys
         if ttl:
-            rec.until = self.now + ttl * stretch + self.wait
+            # Followed while TTLs have not proved worse than the pauses seen.
+            seen = self.book.pauses_for(None)
+            followed = self.book.hints_trusted or seen.typical <= 0.0
+            rec.until = self.now + (ttl * stretch if followed else seen.typical) + self.wait
         elif rec.pause > 0.0 and not hinted_before:
             rec.until = self.now + 2.0 * rec.pause + self.wait
         else:
@@ -291,3 +297,71 @@ def test_a_kinds_pauses_bound_its_wrong_ttls() -> None:
     few.observe(Hints(session_id="a", agent_id="k", cache_ttl_s=1.0), [1, 2, 3], 5.0, True)
     k = few.kind("k")
     assert k is not None and (k.low, k.high) == (0.0, float("inf"))
+
+
+def _paused_sessions(book: SessionBook, pauses: list[float], ttls: list[float], kind: str) -> float:
+    """One session per pause: hinted ``ttl``, back after ``pause``; the clock after them."""
+    now = 1.0
+    for i, (pause, ttl) in enumerate(zip(pauses, ttls, strict=True)):
+        h = Hints(session_id=f"{kind}{i}", agent_id=kind, cache_ttl_s=ttl)
+        book.observe(h, [i, 1000 + i], now, True)
+        book.arrive(h, now + pause)
+        book.observe(h, [i, 1000 + i, 2000 + i], now + pause, True)
+        book.end(f"{kind}{i}")
+        now += pause + 1.0
+    return now
+
+
+def _pinned_for(book: SessionBook, ttl: float, kind: str, now: float) -> float:
+    step = book.observe(Hints(session_id="x", agent_id=kind, cache_ttl_s=ttl), [9], now, True)
+    assert step.pin is not None
+    book.end("x")
+    return step.pin[1] - now - book.wait
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_ttls_off_by_random_factors_give_way_to_the_pauses_seen(seed: int) -> None:
+    """TTLs wrong by 2-10x either way, for pauses that vary little: once enough hinted
+    pauses are judged, a session is pinned for what most pauses of its kind last."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    pauses = [rng.lognormvariate(math.log(4.0), 0.35) for _ in range(TRUST_MIN + 48)]
+    ttls = [p * rng.uniform(2.0, 10.0) ** rng.choice((-1, 1)) for p in pauses]
+    book = SessionBook()
+    now = _paused_sessions(book, pauses, ttls, "coder")
+    assert not book.hints_trusted
+    kind = book.kind("coder")
+    assert kind is not None and kind.typical > 0.0
+    ordered = sorted(kind.pauses)
+    assert kind.typical == ordered[int(TYPICAL_Q * (len(ordered) - 1))]
+    assert kind.median == ordered[(len(ordered) - 1) // 2]
+    # Whatever the TTL says: the kind's typical pause, within its range.
+    for ttl in (0.4, 4.0, 40.0):
+        assert _pinned_for(book, ttl, "coder", now) == pytest.approx(kind.bound(kind.typical))
+    # Hints that come right again are followed again, once they dominate the window.
+    good = [rng.lognormvariate(math.log(4.0), 0.35) for _ in range(TRUST_WINDOW)]
+    now = _paused_sessions(book, good, [p * 1.2 for p in good], "coder")
+    assert book.hints_trusted
+    assert _pinned_for(book, 5.0, "coder", now) == pytest.approx(kind.bound(5.0 * book.stretch))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_ttls_a_little_noisy_for_pauses_that_vary_widely_are_followed(seed: int) -> None:
+    """An application's estimate of a tool's latency, off by up to 25%, for latencies
+    that vary by 30x: far better than any typical pause, so the hints keep ranking."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    pauses = [rng.lognormvariate(math.log(3.0), 1.0) for _ in range(TRUST_MIN + 48)]
+    ttls = [p * rng.uniform(0.8, 1.25) for p in pauses]
+    book = SessionBook()
+    now = _paused_sessions(book, pauses, ttls, "tool")
+    assert book.hints_trusted
+    assert _pinned_for(book, 2.5, "tool", now) == pytest.approx(
+        book.kind("tool").bound(2.5 * book.stretch)  # type: ignore[union-attr]
+    )

@@ -300,7 +300,8 @@ class WorkflowPolicy(ResidentKeys, RankClasses, HintTags, TtlPins, PolicyBase):
         return out
 
     def session_stats(self) -> dict[str, int]:
-        """Sessions now: tracked, live (pinned until later than now), expired, ended; blocks."""
+        """Sessions now: tracked, live (pinned until later than now), expired, ended; blocks;
+        whether TTL hints are followed (see :class:`~kvtier.agents.sessions.SessionBook`)."""
         live = self.sessions.live(self._now)
         waiting = self._classes.get(WAITING)
         return {
@@ -310,6 +311,7 @@ class WorkflowPolicy(ResidentKeys, RankClasses, HintTags, TtlPins, PolicyBase):
             "ended": self.sessions.ended,
             "pinned_blocks": self._protected_used,
             "waiting_blocks": 0 if waiting is None else len(waiting),
+            "ttls_followed": self.sessions.hints_trusted,
         }
 
     # -- the policy protocol ----------------------------------------------------------------

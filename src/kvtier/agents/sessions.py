@@ -13,6 +13,11 @@ with the session's TTL pins, as data (:class:`SessionStep`):
   once a kind has paused :data:`KIND_MIN` times, a TTL shorter than most of
   its pauses or far longer than nearly all of them is taken for a wrong
   hint and brought within that range;
+* stop following the TTLs once they have proved worse than no hint: each
+  hinted pause is also predicted from the pauses seen (its kind's median,
+  or every session's), and when the hints' errors spread far wider than
+  that prediction's, a TTL stands for "a pause" only: the session is pinned
+  for what most pauses of its kind (or of all sessions) last;
 * release the pins of a session that named a TTL at every pause and now
   names none (it is not waiting on a tool, so not expected back soon);
 * end a session that says so (``session_end``);
@@ -60,6 +65,16 @@ MAX_KINDS = 1024
 LOW_Q = 0.25
 HIGH_Q = 0.95
 HIGH_MARGIN = 1.5
+#: The quantile of the pauses seen a session is pinned for once its TTLs are not followed
+#: (most sessions back within it, as the stretch does for hints).
+TYPICAL_Q = 0.8
+#: Hinted pauses whose errors are compared (the latest), and how many before any verdict.
+TRUST_WINDOW = 64
+TRUST_MIN = 16
+#: TTLs stop being followed when their errors vary more than this many times those of
+#: the median pause seen: hints a little noisy are still far better than a typical
+#: pause (a tool's latency varies by 30x, an application's estimate of it by 2x).
+TRUST_MARGIN = 2.0
 
 
 @dataclass(slots=True)
@@ -69,6 +84,9 @@ class KindPauses:
     pauses: deque[float] = field(default_factory=lambda: deque(maxlen=KIND_PAUSES))
     low: float = 0.0
     high: float = math.inf
+    #: The median pause, and the TYPICAL_Q quantile (0.0 until enough pauses are seen).
+    median: float = 0.0
+    typical: float = 0.0
 
     def add(self, pause: float) -> None:
         self.pauses.append(pause)
@@ -77,6 +95,8 @@ class KindPauses:
             last = len(ordered) - 1
             self.low = ordered[int(LOW_Q * last)]
             self.high = ordered[int(HIGH_Q * last)] * HIGH_MARGIN
+            self.median = ordered[last // 2]
+            self.typical = ordered[int(TYPICAL_Q * last)]
 
     def bound(self, ttl: float) -> float:
         """``ttl`` within the kind's range (unchanged until it has seen enough pauses)."""
@@ -101,6 +121,9 @@ class Session:
     kind: str | None = None
     #: When it is expected back from its pause (0.0: not paused, or no estimate).
     back: float = 0.0
+    #: The median pause seen when its hinted pause began (0.0: none known), what its
+    #: TTL is judged against.
+    expected: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +155,14 @@ class SessionBook:
         #: Mean seconds between a session's request arriving and its being served.
         self.wait = 0.0
         self._kinds: OrderedDict[str, KindPauses] = OrderedDict()
+        #: Every session's pauses, for sessions whose kind has paused too rarely.
+        self._all = KindPauses()
+        #: Of the latest hinted pauses: pause - TTL, and pause - the median pause seen
+        #: then (seconds).
+        self._hint_errors: deque[float] = deque(maxlen=TRUST_WINDOW)
+        self._median_errors: deque[float] = deque(maxlen=TRUST_WINDOW)
+        #: Whether TTLs are followed (False once they have proved worse than no hint).
+        self.hints_trusted = True
         #: Whether :meth:`returning` is asked (a prefetch is on); only then are returns
         #: kept in order.
         self.expect_returns = False
@@ -195,8 +226,13 @@ class SessionBook:
         rec.back = 0.0
         # Due when it is served: back after its pause, then as long as requests wait.
         if h.cache_ttl_s:
-            ttl = h.cache_ttl_s * self.stretch
             kind = self._kinds.get(rec.kind) if rec.kind is not None else None
+            seen = self.pauses_for(rec.kind)
+            rec.expected = seen.median
+            if self.hints_trusted or seen.typical <= 0.0:
+                ttl = h.cache_ttl_s * self.stretch
+            else:
+                ttl = seen.typical
             if kind is not None:
                 ttl = kind.bound(ttl)
             rec.until = now + ttl + self.wait
@@ -247,6 +283,9 @@ class SessionBook:
         pause = now - rec.since
         if rec.ttl:
             self._learn(pause / rec.ttl)
+            if rec.expected > 0.0:
+                self._judge(pause, rec.ttl, rec.expected)
+        self._all.add(pause)
         rec.pause = pause if rec.pause <= 0.0 else 0.5 * (rec.pause + pause)
         if rec.kind is not None:
             kinds = self._kinds
@@ -310,6 +349,12 @@ class SessionBook:
         """The pauses seen of agent kind ``agent_id``, if any."""
         return self._kinds.get(agent_id)
 
+    def pauses_for(self, agent_id: str | None) -> KindPauses:
+        """The pauses a session of kind ``agent_id`` is predicted from: its kind's once
+        it has paused :data:`KIND_MIN` times, else every session's."""
+        kind = self._kinds.get(agent_id) if agent_id is not None else None
+        return kind if kind is not None and kind.median > 0.0 else self._all
+
     def end(self, session_id: str) -> Session | None:
         """Forget the session; its record, or None if it is unknown."""
         rec = self._sessions.pop(session_id, None)
@@ -321,6 +366,19 @@ class SessionBook:
         """Sessions pinned until later than ``now``."""
         return sum(1 for r in self._sessions.values() if r.until > now)
 
+    def _judge(self, pause: float, ttl: float, expected: float) -> None:
+        """Weigh a hinted pause's TTL against the median pause seen when it began.
+
+        The spread of the errors, in seconds, is what matters: it says how well
+        each orders returns in time. A TTL off by a steady amount or factor
+        is corrected by the stretch; one off by a random factor is not.
+        """
+        hint_errors, median_errors = self._hint_errors, self._median_errors
+        hint_errors.append(pause - ttl)
+        median_errors.append(pause - expected)
+        if len(hint_errors) >= TRUST_MIN:
+            self.hints_trusted = _spread(hint_errors) <= TRUST_MARGIN * _spread(median_errors)
+
     def _learn(self, ratio: float) -> None:
         self._ratios.append(ratio)
         self._new_ratios += 1
@@ -329,3 +387,10 @@ class SessionBook:
             ordered = sorted(self._ratios)
             # Most sessions back within their pin, never less than the hint, at most 4x it.
             self.stretch = min(max(ordered[int(0.8 * (len(ordered) - 1))], 1.0), 4.0)
+
+
+def _spread(values: Sequence[float]) -> float:
+    """The variance of ``values`` (at least two)."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    return math.fsum((v - mean) ** 2 for v in values) / n
