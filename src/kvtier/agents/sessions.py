@@ -226,15 +226,14 @@ class SessionBook:
         rec.back = 0.0
         # Due when it is served: back after its pause, then as long as requests wait.
         if h.cache_ttl_s:
-            kind = self._kinds.get(rec.kind) if rec.kind is not None else None
             seen = self.pauses_for(rec.kind)
             rec.expected = seen.median
             if self.hints_trusted or seen.typical <= 0.0:
                 ttl = h.cache_ttl_s * self.stretch
             else:
                 ttl = seen.typical
-            if kind is not None:
-                ttl = kind.bound(ttl)
+            if seen is not self._all:
+                ttl = seen.bound(ttl)  # a kind that has paused too rarely bounds nothing
             rec.until = now + ttl + self.wait
             self._expect(sid, rec, now + ttl)
         elif rec.pause > 0.0 and not hinted_before:
@@ -353,7 +352,7 @@ class SessionBook:
         """The pauses a session of kind ``agent_id`` is predicted from: its kind's once
         it has paused :data:`KIND_MIN` times, else every session's."""
         kind = self._kinds.get(agent_id) if agent_id is not None else None
-        return kind if kind is not None and kind.median > 0.0 else self._all
+        return kind if kind is not None and len(kind.pauses) >= KIND_MIN else self._all
 
     def end(self, session_id: str) -> Session | None:
         """Forget the session; its record, or None if it is unknown."""
