@@ -1,6 +1,6 @@
 """kvtier's CUDA paths on a real GPU, checked and measured in one short run.
 
-Four parts, each recorded even when another one fails:
+Five parts, each recorded even when another one fails:
 
 a. **tests**: the test files that hold CUDA tests (``tests/test_storage_device.py``,
    ``tests/test_pressure_monitors.py``, ``tests/test_placement.py``,
@@ -18,8 +18,9 @@ b. **correctness**: a tiny random-weight Llama (built from a transformers
 c. **throughput**: blocks of SmolLM2-135M's geometry (30 layers, 3 KV heads,
    head dim 64, 16 tokens per block) in float16 and float32, in a
    ``KVBlockStorage`` on the device, stored to a host tier and loaded back
-   through a ``TierChain`` (store: copy out, checksum; load: verify the
-   checksum, copy in; every load checked bit-exact; the tier's free slots
+   through a ``TierChain`` (store: copy out; load: check the headers, copy
+   in; a host tier keeps no payload checksum, docs/tiers.md says why; every
+   load checked bit-exact; the tier's free slots
    come back in reverse after each run, so the runs alternate between slots
    in order, where runs of blocks move with one copy, and slots in reverse,
    one copy per block). The ceiling moves the
@@ -38,6 +39,11 @@ d. **pressure**: ``torch.cuda.mem_get_info`` and NVML (when ``pynvml``
    in ``--pressure-steps`` steps up to ``--pressure-fraction`` of the free
    memory and frees it again step by step; the modes each went through are
    recorded.
+e. **ttft**: time to first token with a cached prefix of 2k, 8k and 32k
+   tokens on random-weight models of Llama-3.1-8B's and Qwen3-30B-A3B's
+   geometry in bfloat16, recomputed, found on the device, loaded from a host
+   tier and from a disk tier, next to one pinned ``copy_`` of the prefix's KV
+   bytes (:mod:`gpu_ttft`, whose options are ``--ttft-...`` here).
 
 The device name, torch and transformers versions and every figure are
 printed as tables and written to ``OUT/gpu_check.json`` (rewritten after each
@@ -63,6 +69,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gpu_ttft
 from _common import REPO, format_table, git_state, machine_info, median, package_version, write_json
 
 sys.path.insert(0, str(REPO / "src"))
@@ -784,8 +791,8 @@ def main() -> None:
     )
     p.add_argument(
         "--parts",
-        default="tests,correctness,throughput,pressure",
-        help="comma-separated parts to run (default: all four)",
+        default="tests,correctness,throughput,pressure,ttft",
+        help="comma-separated parts to run (default: all five)",
     )
     p.add_argument("--test-timeout", type=float, default=240.0, help="seconds for pytest")
     p.add_argument("--new-tokens", type=int, default=12, help="greedy tokens per request")
@@ -806,6 +813,7 @@ def main() -> None:
         default=64,
         help="host MiB the pressure part allocates with --device cpu",
     )
+    gpu_ttft.add_arguments(p, prefix="ttft-")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -835,6 +843,8 @@ def main() -> None:
                 device, args.pressure_steps, args.pressure_fraction, args.cpu_pressure_mib
             ),
         )
+    if "ttft" in parts:
+        report.part("ttft", lambda: gpu_ttft.ttft_from_args(device, args, prefix="ttft-"))
     say("\n== summary ==")
     say(
         f"device: {report.payload['environment']['device_name']}, torch {torch.__version__}, "

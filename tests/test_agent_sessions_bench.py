@@ -8,34 +8,14 @@ turn of a session ends it.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_scripts import load_bench
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load_bench() -> ModuleType:
-    # The script imports its sibling ``_common`` as a top-level module, as it
-    # does when run from bench/; the directory is on sys.path only for that.
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("agent_sessions", BENCH / "agent_sessions.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["agent_sessions"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-ab = _load_bench()
+ab = load_bench("agent_sessions")
 WORDS = [f" w{i}" for i in range(2000)]
 
 

@@ -9,14 +9,12 @@ prefix-chained requests, checking its bookkeeping after every step.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_scripts import load_bench
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -24,25 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.errors import ConfigError
 from kvtier.replay import load_sample_trace
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load_bench() -> ModuleType:
-    # The script imports its sibling ``_common`` as a top-level module, as it
-    # does when run from bench/; the directory is on sys.path only for that.
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("hybrid_replay", BENCH / "hybrid_replay.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["hybrid_replay"] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-hr = _load_bench()
+hr = load_bench("hybrid_replay")
 
 
 @pytest.fixture(scope="module")
