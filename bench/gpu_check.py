@@ -13,7 +13,9 @@ b. **correctness**: a tiny random-weight Llama (built from a transformers
    tokens as Hugging Face ``generate`` on that device: requests one at a
    time, all in one batch, preempted by a pool too small for all of them,
    through a host tier of pinned buffers (prefixes evicted from the pool and
-   loaded back), swapped to that host tier on preemption, and (informative,
+   loaded back; again with the loads landing layer by layer, whose CUDA
+   copies are counted by kind: one 2-D copy, or a staged one), swapped to
+   that host tier on preemption, and (informative,
    lossy) through an int8 device tier. A float16 batch is reported too.
 c. **throughput**: blocks of SmolLM2-135M's geometry (30 layers, 3 KV heads,
    head dim 64, 16 tokens per block) in float16 and float32, in a
@@ -323,6 +325,7 @@ def compare(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
 
 
 def correctness(device: torch.device, new_tokens: int) -> dict[str, Any]:
+    from kvtier.costs import CostModel
     from kvtier.engine import Engine, SamplingParams
 
     pin = device.type == "cuda"
@@ -392,6 +395,25 @@ def correctness(device: torch.device, new_tokens: int) -> dict[str, Any]:
         c["diverged"].append("host tier rows are not pinned")
     if c["tiers"]["host"]["loaded_blocks"] == 0:
         c["diverged"].append("nothing was loaded back from the host tier")
+
+    # The same, each load landing layer by layer while the forward pass starts.
+    eng = engine(num_blocks=20, tiers=[Tier(HostStore(pin_memory=pin), 32)], tier_layer_loads=True)
+    slow = CostModel(decay=1.0)  # computing looks slow: every prefix the tier holds loads
+    for n in (16, 64, 256):
+        slow.observe_pass([(0, n)], 1.0 * n)
+    eng.connector.costs = slow
+    rounds = [engine_batch(eng, [p], new_tokens)[0] for _ in range(2) for p in prompts]
+    record(
+        "host tier, loads by layer",
+        rounds,
+        want + want,
+        eng,
+        layer_fills=eng.storage.fills,
+        fill_copies=dict(getattr(eng.storage, "fill_copies", {})),
+    )
+    c = cases["host tier, loads by layer"]
+    if eng.storage.fills == 0:
+        c["diverged"].append("no load landed layer by layer")
 
     # Preemption swapping requests out to the host tier and back.
     eng = engine(num_blocks=12, max_num_seqs=3, tiers=[Tier(HostStore(pin_memory=pin), 32)])

@@ -11,6 +11,9 @@ over the same model:
 * **host**: the prefix is only in a host-memory tier (pinned when CUDA is
   present): the earlier request stored it there as it was computed
   (write-through), then the device's cached blocks were dropped;
+* **host-layers**: the same, the load landing layer by layer while the
+  forward pass starts (``tier_layer_loads``, ``kvtier serve
+  --tier-layer-loads``);
 * **disk**: the same with a disk tier under a temporary directory.
 
 Beside them, the **copy ceiling**: the prefix's KV bytes moved host to
@@ -120,7 +123,7 @@ GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-CASES = ("recompute", "device", "host", "disk")
+CASES = ("recompute", "device", "host", "host-layers", "disk")
 
 
 def say(text: str = "") -> None:
@@ -216,7 +219,7 @@ def run_case(
     a, b = prompts
     per_request = math.ceil((len(b) + 1) / block_size)
     tiers: list[Tier] = []
-    if case == "host":
+    if case in ("host", "host-layers"):
         tiers = [Tier(HostStore(), 2 * per_request, write_mode="write_through")]
     elif case == "disk":
         root = tmp / "disk-tier"
@@ -231,13 +234,14 @@ def run_case(
         max_num_batched_tokens=batch_tokens,
         max_model_len=len(b) + 8,
         tiers=tiers,
+        tier_layer_loads=case == "host-layers",
     )
     try:
         warm = a[: min(len(a), 2 * block_size)]
         first_token_s(engine, [t + 1 for t in warm])  # kernels and allocator warmed up
         if case != "recompute":
             first_token_s(engine, a)
-        if case in ("host", "disk"):
+        if tiers:
             assert engine.tier_chain is not None
             engine.tier_chain.flush()
             engine.manager.reset_prefix_cache()
@@ -248,11 +252,14 @@ def run_case(
         # Cached prompt tokens count the loaded ones too.
         loaded_tokens = int(counters.loaded_prompt_tokens) - loaded_before
         device_tokens = int(counters.cached_prompt_tokens) - cached_before - loaded_tokens
-        want = {"recompute": (0, 0), "device": (1, 0), "host": (0, 1), "disk": (0, 1)}[case]
+        want = {"recompute": (0, 0), "device": (1, 0)}.get(case, (0, 1))
         prefix = len(b) - SUFFIX
         got_device = device_tokens >= prefix - block_size
         got_loaded = loaded_tokens >= prefix - block_size
         as_planned = (got_device, got_loaded) == (bool(want[0]), bool(want[1]))
+        storage = engine.storage
+        if case == "host-layers" and storage.fills == 0:
+            as_planned = False  # the load did not land layer by layer
         plans = dict(engine.connector.costs.plans) if tiers else {}
         return {
             "ttft_s": seconds,
@@ -260,6 +267,8 @@ def run_case(
             "loaded_tokens": loaded_tokens,
             "as_planned": as_planned,
             "plans": plans,
+            "layer_fills": storage.fills,
+            "fill_copies": dict(getattr(storage, "fill_copies", {})),
         }
     finally:
         engine.close()
@@ -322,9 +331,10 @@ def ttft(
                     )
             rec = row["recompute"]["ttft_s"]
             dev = row["device"]["ttft_s"]
-            for case in ("device", "host", "disk"):
+            for case in CASES[1:]:
                 row[case]["vs_recompute"] = row[case]["ttft_s"] / rec
             row["host_vs_device"] = row["host"]["ttft_s"] / dev
+            row["host_layers_vs_device"] = row["host-layers"]["ttft_s"] / dev
             # What loading the prefix added over finding it on the device, against what
             # moving its bytes once costs.
             if ceiling is not None:
@@ -339,10 +349,12 @@ def ttft(
                     f"{1000 * rec:.1f}",
                     f"{1000 * dev:.1f}",
                     f"{1000 * row['host']['ttft_s']:.1f}",
+                    f"{1000 * row['host-layers']['ttft_s']:.1f}",
                     f"{1000 * row['disk']['ttft_s']:.1f}",
                     "-" if ceiling is None else f"{1000 * ceiling:.2f}",
                     f"{row['host']['vs_recompute']:.3f}x",
                     f"{row['host_vs_device']:.2f}x",
+                    f"{row['host_layers_vs_device']:.2f}x",
                     "yes" if all(row[c]["as_planned"] for c in CASES) else "NO",
                 )
             )
@@ -359,10 +371,12 @@ def ttft(
                 "recompute ms",
                 "device ms",
                 "host ms",
+                "host by layer ms",
                 "disk ms",
                 "copy ceiling ms",
                 "host vs recompute",
                 "host vs device",
+                "by layer vs device",
                 "as planned",
             ],
             rows,

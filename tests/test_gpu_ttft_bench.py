@@ -37,9 +37,10 @@ def test_each_case_serves_its_prefix_from_where_it_says(tmp_path: Path) -> None:
         whole = prefix // 16 * 16  # the prefix's full blocks
         assert r["recompute"]["device_tokens"] == r["recompute"]["loaded_tokens"] == 0
         assert r["device"]["device_tokens"] >= whole and r["device"]["loaded_tokens"] == 0
-        for tier in ("host", "disk"):
+        for tier in ("host", "host-layers", "disk"):
             assert r[tier]["loaded_tokens"] >= whole, (tier, r[tier])
             assert r[tier]["plans"]["load_all"] == 1, (tier, r[tier])
+        assert r["host-layers"]["layer_fills"] >= 1 and r["host"]["layer_fills"] == 0
         assert all(r[c]["ttft_s"] > 0 for c in gt.CASES)
         assert r["copy_ceiling_s"] is None  # no CUDA: nothing to compare a load with
         assert r["host_vs_device"] == r["host"]["ttft_s"] / r["device"]["ttft_s"]

@@ -17,7 +17,9 @@ calling thread and on the checksum pool (small chunks, so a batch spans
 several pool tasks and copies), and with the tier's slots in ascending and
 in descending order (one copy per run of blocks, or one per block). With a
 GPU the host cases run on CUDA storage and pinned host rows too, where the
-copies are asynchronous and each batch waits for them once.
+copies are asynchronous and each batch waits for them once. The unchecked
+host cases run again with the loads landing layer by layer
+(``layer_loads``): the same blocks land, the same block stops the load.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def stored_chain(
     seed: int,
     device: str = "cpu",
     checksums: bool | None = None,
+    layer_loads: bool = False,
 ) -> tuple[KVBlockStorage, TierChain, Tier, list[int]]:
     storage = KVBlockStorage(LAYOUT, 2 * N, device=device)
     gen = torch.Generator().manual_seed(seed)
@@ -79,7 +82,7 @@ def stored_chain(
     storage.tensor[N:].zero_()
     mgr = KVCacheManager(2 * N, LAYOUT.block_size)
     tier = Tier(medium, N, codec="raw", checksums=checksums)
-    chain = TierChain(storage, mgr, [tier], write_mode="write_through")
+    chain = TierChain(storage, mgr, [tier], write_mode="write_through", layer_loads=layer_loads)
     rng = random.Random(seed)
     if descending:
         # A store and a removal first: the free slots then come back in reverse.
@@ -156,12 +159,15 @@ def test_a_flipped_bit_in_a_checksummed_host_item_is_a_miss(
     descending=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.parametrize("layer_loads", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_unchecked_host_item_misses_on_its_header_and_reads_its_payload_as_it_is(
-    device: str, victim: int, bit: int, descending: bool, seed: int
+    device: str, layer_loads: bool, victim: int, bit: int, descending: bool, seed: int
 ) -> None:
     host = HostStore(pin_memory=device == "cuda")
-    storage, chain, tier, keys = stored_chain(host, descending, seed, device)
+    storage, chain, tier, keys = stored_chain(
+        host, descending, seed, device, layer_loads=layer_loads
+    )
     assert not tier.checksums and not host.checksums  # the chain's default for host memory
     slot = tier.offload_manager.prepare_load([keys[victim]])[0]
     tier.offload_manager.complete_load([keys[victim]])
@@ -169,6 +175,7 @@ def test_an_unchecked_host_item_misses_on_its_header_and_reads_its_payload_as_it
     if bit < 8 * HEADER_SIZE:
         # The header (key, layout, length, its own checksum) still guards the slot.
         check_load(storage, chain, tier, keys, victim)
+        assert storage.fills == (1 if layer_loads and victim else 0)
     else:
         # The payload is the process's own memory, read like a device block: as it is.
         assert chain.load(keys, list(range(N, 2 * N))) == N
@@ -176,6 +183,7 @@ def test_an_unchecked_host_item_misses_on_its_header_and_reads_its_payload_as_it
         diff = (src.view(torch.uint8) != dst.view(torch.uint8)).view(N, -1).sum(dim=1)
         assert diff.tolist() == [1 if i == victim else 0 for i in range(N)]
         assert tier.counters.corrupt_blocks == 0
+        assert storage.fills == (1 if layer_loads else 0)
     chain.close()
 
 
@@ -227,17 +235,22 @@ def test_a_flipped_bit_in_a_disk_file_is_a_miss(
     pool=st.booleans(),
     seed=st.integers(0, 2**16),
     checksums=st.booleans(),
+    layer_loads=st.booleans(),
 )
 @pytest.mark.parametrize("device", DEVICES)
 def test_undamaged_batches_load_bit_exact(
-    device: str, descending: bool, pool: bool, seed: int, checksums: bool
+    device: str, descending: bool, pool: bool, seed: int, checksums: bool, layer_loads: bool
 ) -> None:
     with pooled(pool):
         host = HostStore(pin_memory=device == "cuda")
-        storage, chain, tier, keys = stored_chain(host, descending, seed, device, checksums)
+        storage, chain, tier, keys = stored_chain(
+            host, descending, seed, device, checksums, layer_loads=layer_loads
+        )
         assert chain.load(keys, list(range(N, 2 * N))) == N
         assert torch.equal(storage.tensor[N:], storage.tensor[:N])
         assert tier.counters.corrupt_blocks == 0
+        # Only unchecked payloads land layer by layer (a checked one is hashed first).
+        assert storage.fills == (1 if layer_loads and not checksums else 0)
         chain.close()
 
 

@@ -122,6 +122,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         tiers=tuple(_tier_specs(args)),
         write_mode=args.write_mode,
         tier_admission=args.tier_admission,
+        tier_layer_loads=args.tier_layer_loads,
         tier_recheck_interval_s=args.tier_recheck_interval,
         pressure=_pressure_spec(args),
         sampling_defaults=sampling or None,

@@ -492,6 +492,14 @@ def _add_tiers(serve: argparse.ArgumentParser) -> None:
         "policy, the default)",
     )
     tiers.add_argument(
+        "--tier-layer-loads",
+        action="store_true",
+        help="land a prefix loaded from the host tier layer by layer while the forward pass "
+        "that needs it starts: its first layers compute while the later ones are still "
+        "being copied (for a GPU, where the copy and the compute run side by side; off by "
+        "default)",
+    )
+    tiers.add_argument(
         "--tier-recheck-interval",
         type=arg(float_in("number of seconds", 0.0, 86400.0, open_low=True), "interval"),
         default=30.0,

@@ -349,6 +349,9 @@ class EngineConfig:
     #: Which blocks the device evicts the first tier writes: ``write-all`` or
     #: ``predicted`` (by learned reuse; needs the ``learned-reuse`` device policy).
     tier_admission: str = "write-all"
+    #: Land prefix loads from the host tier layer by layer, in flight while the forward
+    #: pass that needs them starts (its layer ``l`` waits for layer ``l`` only).
+    tier_layer_loads: bool = False
     #: Seconds between checks that each tier's medium still holds the blocks tracked on it
     #: (a restarted Redis loses them without an error); also while the server idles.
     tier_recheck_interval_s: float = 30.0
@@ -384,9 +387,20 @@ class EngineConfig:
             )
         object.__setattr__(self, "tiers", tuple(self.tiers))
         check_tier_order(self.tiers)
+        if self.tier_layer_loads and self.tiers and all(t.medium != "host" for t in self.tiers):
+            raise ConfigError(
+                "--tier-layer-loads lands loads from the host tier, and none of the tiers is "
+                "one: add --tier host:SIZE or leave the flag out"
+            )
 
     def check_prefetch(self, has_tiers: bool) -> None:
-        """ConfigError when prefetch is on without a tier to bring blocks back from."""
+        """ConfigError when prefetch (or loads by layer) is on without a tier to bring
+        blocks back from."""
+        if self.tier_layer_loads and not has_tiers:
+            raise ConfigError(
+                "--tier-layer-loads lands loads from the host tier: add one "
+                "(--tier host:SIZE) or leave the flag out"
+            )
         if self.prefetch.lookahead > 0 and not has_tiers:
             raise ConfigError(
                 "prefetch brings blocks back from tiers: add a tier (--tier) or turn "

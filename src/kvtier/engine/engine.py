@@ -233,6 +233,7 @@ class Engine:
                 write_mode=write_mode,
                 tier_admission=config.tier_admission,
                 reconcile_interval_s=config.tier_recheck_interval_s,
+                layer_loads=config.tier_layer_loads,
             )
             if built
             else None

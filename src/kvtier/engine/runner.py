@@ -11,6 +11,7 @@ happened, and the engine acts on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import torch
 
 from kvtier.engine.request import Sequence as Seq
 from kvtier.engine.sampling import TokenLogprob
+from kvtier.errors import KvTierError
 from kvtier.layers.batch import BatchMeta, SeqSlice
 from kvtier.storage import KVBlockStorage
 
@@ -166,11 +168,16 @@ class ModelRunner:
                     kvtier_batch=meta,
                 )
             logits = result.logits[0]
+            # A tier load landing layer by layer was read by every layer of the pass: what
+            # is left is to know its copies done, so its source may be reused.
+            self.storage.settle_fill()
             self.forward_seconds += time.perf_counter() - started
             self.passes += 1
             self.pass_sequences += len(chunks)
         except Exception as exc:
             log.exception("the forward pass of %d sequences failed", len(chunks))
+            with contextlib.suppress(KvTierError):  # a failed load by layer said so above
+                self.storage.settle_fill()
             out.pass_error = error = f"{type(exc).__name__}: {exc}"
             out.failed.extend((seq, error) for seq, _ in chunks)
             return out

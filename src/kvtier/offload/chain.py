@@ -107,6 +107,7 @@ class TierChain:
         reconcile_interval_s: float = 30.0,
         reconcile_batch: int = 4096,
         tier_admission: str | TierAdmission = "write-all",
+        layer_loads: bool = False,
     ) -> None:
         if write_mode is not None:
             mode = write_mode_of(write_mode, "write_back")
@@ -140,6 +141,12 @@ class TierChain:
         # Background reads of loads in flight, and the results that came back.
         self._load_jobs: set[int] = set()
         self._load_results: dict[int, TransferResult] = {}
+        #: Land loads from an in-process tier layer by layer, while the forward pass that
+        #: needs them starts (:func:`~kvtier.offload.promote.fill_layerwise`).
+        self.layer_loads = layer_loads
+        #: Batches landing layer by layer: their tier items stay in use until the
+        #: storage's fill has settled.
+        self._landing: list[tuple[int, list[int]]] = []
         shape = tuple(storage.block_shape)
         for tier in self.tiers:
             # One log for the whole chain: an outage is told once, whichever tier it hit.
@@ -315,7 +322,10 @@ class TierChain:
                     self._observe_load(b, b.read_s + time.perf_counter() - started)
             finally:
                 for b in pending.batches:
-                    self.tiers[b.tier].offload_manager.complete_load(b.keys)
+                    if b.filled and self.storage.filling:
+                        self._landing.append((b.tier, b.keys))
+                    else:
+                        self.tiers[b.tier].offload_manager.complete_load(b.keys)
             return loaded
 
     # -- backward loads (load and compute together) -------------------------------------
@@ -405,7 +415,8 @@ class TierChain:
             self._unreachable(tier, b.error)
             return 0
         self._reachable(b.tier)
-        done = install(self.storage, tier, b)
+        done = install(self.storage, tier, b, layerwise=self.layer_loads)
+        b.filled = done.filled
         if done.error is not None:
             self._bursts.event(
                 f"{tier.name}:corrupt",
@@ -571,6 +582,8 @@ class TierChain:
             return self._poll_locked()
 
     def _poll_locked(self, done: list[TransferResult] | None = None) -> int:
+        if self._landing and not self.storage.filling:
+            self._landed()
         if done is None:
             done = self.transfer.get_finished()
         handled = 0
@@ -586,6 +599,12 @@ class TierChain:
                 self._reachable(t)
         self._maybe_reconcile()
         return handled
+
+    def _landed(self) -> None:
+        """Batches that landed layer by layer: their tier items are free again."""
+        landing, self._landing = self._landing, []
+        for t, keys in landing:
+            self.tiers[t].offload_manager.complete_load(keys)
 
     # -- degraded conditions -----------------------------------------------------------------
     def _unreachable(self, tier: Tier, exc: BaseException | None) -> None:
@@ -808,6 +827,9 @@ class TierChain:
         if self._closed:
             return
         self._closed = True
+        self.storage.settle_fill()
+        with self._lock:
+            self._landed()
         self.flush()
         self.device_manager.remove_evict_listener(self._on_device_evict)
         if self._own_transfer:

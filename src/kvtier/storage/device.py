@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import torch
 
 from kvtier.block_table import BlockTable
-from kvtier.errors import BadRequestError, ConfigError
+from kvtier.errors import BadRequestError, ConfigError, InternalInvariantError
 from kvtier.layout import KVLayout, cdiv
+from kvtier.storage.fill import Copy, LayerFill
 
 if TYPE_CHECKING:
     from kvtier.offload.codec import Codec
@@ -127,6 +128,11 @@ class KVBlockStorage:
     #: The offload codec whose payload a block's raw bytes are (quantized
     #: storage), or ``None``: the raw bytes of ``dtype`` elements.
     codec: Codec | None = None
+    #: A tier load landing layer by layer (:meth:`begin_fill`), or ``None``.
+    _fill: LayerFill | None = None
+    #: Loads that landed layer by layer, and the reads that had to wait for one.
+    fills = 0
+    fill_blocked_reads = 0
 
     def __init__(
         self,
@@ -211,6 +217,8 @@ class KVBlockStorage:
             self._v_rows = [t.view(-1, H, D) for t in self._v_blocks]
         self._slot_cache: _Cached | None = None
         self._id_cache: _Cached | None = None
+        #: How the fills' CUDA copies went (see :func:`~kvtier.storage.fill.copy_async`).
+        self.fill_copies: dict[str, int] = {}
 
     # -- sizes and views --------------------------------------------------------
     @property
@@ -235,8 +243,55 @@ class KVBlockStorage:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The storage tensor itself, in the shape of ``layout_kind``."""
+        """The storage tensor itself, in the shape of ``layout_kind`` (a load landing layer by
+        layer has landed whole first)."""
+        self.settle_fill()
         return self._kv
+
+    # -- loads landing layer by layer ---------------------------------------------
+    @property
+    def fillable(self) -> bool:
+        """Whether a load may land here layer by layer: plain K/V bytes, block by block, read
+        and written only through this class's row methods (not a quantized or windowed one)."""
+        return type(self) is KVBlockStorage and self.layout_kind == "block"
+
+    def begin_fill(self, copies: Sequence[Sequence[Copy]]) -> None:
+        """Start copies into this storage's blocks, ``copies[l]`` layer ``l``'s, so that a row
+        read or write of layer ``l`` waits for that layer only (:class:`LayerFill`).
+
+        Destinations are views of :meth:`fill_target`. One fill at a time: a
+        previous one lands whole first.
+        """
+        if len(copies) != self.layout.num_layers:
+            raise InternalInvariantError(
+                f"a layer fill has {len(copies)} layers, the storage {self.layout.num_layers}"
+            )
+        self.settle_fill()
+        self._fill = LayerFill(copies, self.device).start()
+        self.fills += 1
+
+    def fill_target(self) -> torch.Tensor:
+        """The storage's bytes as ``[num_blocks, bytes_per_block]`` uint8, for
+        :meth:`begin_fill`'s destinations (does not wait for a fill in flight)."""
+        return self._kv.view(self.num_blocks, -1).view(torch.uint8)
+
+    @property
+    def filling(self) -> bool:
+        """Whether a fill has begun and not been settled."""
+        return self._fill is not None
+
+    def settle_fill(self) -> None:
+        """Wait until a fill in flight has landed whole (nothing to do without one)."""
+        fill = self._fill
+        if fill is None:
+            return
+        self._fill = None
+        try:
+            fill.settle()
+        finally:
+            self.fill_blocked_reads += fill.blocked_reads
+            for kind, n in fill.copies_by_kind.items():
+                self.fill_copies[kind] = self.fill_copies.get(kind, 0) + n
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer's K and V caches, each ``[num_blocks, block_size, heads, dim]``.
@@ -245,6 +300,8 @@ class KVBlockStorage:
         strided (one block's rows ``L * 2`` apart) in the block layout.
         """
         layer = self._check_layer(layer)
+        if self._fill is not None:
+            self._fill.wait(layer)
         return self._k_blocks[layer].view(self.dtype), self._v_blocks[layer].view(self.dtype)
 
     def is_window_layer(self, layer: int) -> bool:
@@ -418,6 +475,7 @@ class KVBlockStorage:
         may be partly filled. Returns two new ``[num_tokens, heads, dim]`` tensors.
         """
         layer = self._check_layer(layer)
+        self.settle_fill()
         if isinstance(block_ids, BlockTable):
             if num_tokens is None:
                 num_tokens = block_ids.num_tokens
@@ -460,6 +518,8 @@ class KVBlockStorage:
 
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """:meth:`write` at rows from :meth:`slot_rows`, unchecked (``k``/``v`` as for write)."""
+        if self._fill is not None:
+            self._fill.wait(layer)
         if self._op_dtype != self.dtype:
             k, v = k.view(self._op_dtype), v.view(self._op_dtype)
         self._k_rows[layer].index_copy_(0, rows, k)
@@ -467,6 +527,8 @@ class KVBlockStorage:
 
     def read_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V at rows from :meth:`slot_rows`: two new ``[n, heads, dim]``."""
+        if self._fill is not None:
+            self._fill.wait(layer)
         k = self._k_rows[layer].index_select(0, rows)
         v = self._v_rows[layer].index_select(0, rows)
         if self._op_dtype != self.dtype:
@@ -482,6 +544,7 @@ class KVBlockStorage:
         """
         if not pairs:
             return
+        self.settle_fill()
         try:
             src = [int(s) for s, _ in pairs]
             dst = [int(d) for _, d in pairs]
@@ -532,6 +595,7 @@ class KVBlockStorage:
 
     def _gather(self, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Blocks ``ids`` in block-major order (op dtype), into ``out`` when given."""
+        self.settle_fill()
         if out is None:
             out = torch.empty(
                 (ids.shape[0], *self.block_shape), dtype=self._op_dtype, device=self.device
@@ -546,6 +610,7 @@ class KVBlockStorage:
 
     def _scatter(self, ids: torch.Tensor, payload: torch.Tensor) -> None:
         """Write block-major ``payload`` (op dtype, on this device) into blocks ``ids``."""
+        self.settle_fill()
         if self._copy_per_block:
             # On CPU, index_copy_ moves element by element; one copy_ per
             # contiguous block measured 1.4-4x faster for bf16 imports and for
