@@ -4,7 +4,7 @@ Five parts, each recorded even when another one fails:
 
 a. **tests**: the test files that hold CUDA tests (``tests/test_storage_device.py``,
    ``tests/test_pressure_monitors.py``, ``tests/test_placement.py``,
-   ``tests/test_tier_checksum_flips.py``) run under
+   ``tests/test_tier_checksum_flips.py``, ``tests/test_layer_loads.py``) run under
    pytest in a child process; passed / failed / skipped counts per file and
    every skip reason come from its JUnit XML.
 b. **correctness**: a tiny random-weight Llama (built from a transformers
@@ -96,6 +96,7 @@ TEST_FILES = (
     "tests/test_pressure_monitors.py",
     "tests/test_placement.py",
     "tests/test_tier_checksum_flips.py",
+    "tests/test_layer_loads.py",
 )
 #: SmolLM2-135M's KV geometry (the default model's).
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")

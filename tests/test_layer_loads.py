@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from needs import hardware_mark
 from tiny_model import solo_greedy, tiny_model_and_tokenizer
 
 from kvtier import KVCacheManager
@@ -32,6 +33,10 @@ from kvtier.storage import KVBlockStorage
 from kvtier.storage.fill import LayerFill
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=hardware_mark(torch.cuda.is_available(), "no CUDA device")),
+]
 
 
 class GatedFill(LayerFill):
@@ -142,17 +147,18 @@ def test_only_plain_block_storage_takes_fills() -> None:
     stored_in_reverse=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_host_load_lands_by_layer_into_any_blocks_as_a_whole_load_does(
-    order: list[int], stored_in_reverse: bool, seed: int
+    device: str, order: list[int], stored_in_reverse: bool, seed: int
 ) -> None:
     # Six blocks stored to a host tier, then loaded into six of the other blocks in any
     # order: consecutive runs as views, the rest row by row. Same bytes either way.
     got: dict[bool, torch.Tensor] = {}
     for layered in (False, True):
-        storage = KVBlockStorage(LAYOUT, 12)
+        storage = KVBlockStorage(LAYOUT, 12, device=device)
         storage.tensor[:6].copy_(torch.randn(storage.tensor[:6].shape, generator=_gen(seed)))
         manager = KVCacheManager(12, LAYOUT.block_size)
-        tier = Tier(HostStore(), 6, codec="raw")
+        tier = Tier(HostStore(pin_memory=device == "cuda"), 6, codec="raw")
         chain = TierChain(storage, manager, [tier], write_mode="write_through", layer_loads=layered)
         keys = [random.Random(seed).getrandbits(128) + i for i in range(6)]
         src = list(range(6))[:: -1 if stored_in_reverse else 1]
