@@ -15,7 +15,9 @@ compute while the later ones are still being copied.
   contiguous is one ``copy_``; a layer's slice of a run of blocks is strided
   on both sides (each block holds every layer), which ``cudaMemcpy2DAsync``
   moves as one copy when the CUDA runtime library can be loaded, and
-  ``copy_`` otherwise (correct, but through a staging copy).
+  ``copy_`` otherwise (correct, but through a staging copy). Rows bound for
+  blocks that are not consecutive cross into a device buffer in one copy
+  and are placed with one ``index_copy_``.
 * For blocks in host memory a thread makes the copies, setting an event per
   layer; a read blocks until its layer's is set.
 
