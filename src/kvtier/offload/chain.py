@@ -77,6 +77,7 @@ from kvtier.offload.backward import BackwardLoad
 from kvtier.offload.compress import CompressionResult, compress
 from kvtier.offload.demote import Demoter
 from kvtier.offload.device_tier import DeviceStore
+from kvtier.offload.layerwise import fill_layerwise
 from kvtier.offload.manager import OffloadingEvent, PinEvent
 from kvtier.offload.media import ItemFormat
 from kvtier.offload.promote import LoadBatch, PendingLoad, Reader, install, plan_batches
@@ -142,7 +143,7 @@ class TierChain:
         self._load_jobs: set[int] = set()
         self._load_results: dict[int, TransferResult] = {}
         #: Land loads from an in-process tier layer by layer, while the forward pass that
-        #: needs them starts (:func:`~kvtier.offload.promote.fill_layerwise`).
+        #: needs them starts (:func:`~kvtier.offload.layerwise.fill_layerwise`).
         self.layer_loads = layer_loads
         #: Batches landing layer by layer: their tier items stay in use until the
         #: storage's fill has settled.
@@ -415,7 +416,9 @@ class TierChain:
             self._unreachable(tier, b.error)
             return 0
         self._reachable(b.tier)
-        done = install(self.storage, tier, b, layerwise=self.layer_loads)
+        done = fill_layerwise(self.storage, tier, b) if self.layer_loads else None
+        if done is None:
+            done = install(self.storage, tier, b)
         b.filled = done.filled
         if done.error is not None:
             self._bursts.event(

@@ -69,7 +69,6 @@ from kvtier.offload.transfer import (
     span,
 )
 from kvtier.storage import KVBlockStorage
-from kvtier.storage.fill import Copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,29 +137,22 @@ class Installed:
     bad_key: int | None = None
     #: Why it was bad: a damaged payload's error (``None``: it had vanished).
     error: CorruptBlockError | None = None
-    #: Whether the blocks are still landing, layer by layer (:func:`fill_layerwise`): the
-    #: medium's items stay in use until the storage's fill has settled.
+    #: Whether the blocks are still landing, layer by layer
+    #: (:func:`~kvtier.offload.layerwise.fill_layerwise`): the medium's items stay in use
+    #: until the storage's fill has settled.
     filled: bool = False
 
 
-def install(
-    storage: KVBlockStorage, tier: Tier, batch: LoadBatch, *, layerwise: bool = False
-) -> Installed:
+def install(storage: KVBlockStorage, tier: Tier, batch: LoadBatch) -> Installed:
     """Verify ``batch``'s payloads and write them into its device blocks, in order.
 
     Stops at the first missing or damaged item. Counts on ``tier.counters``;
     the caller drops the bad key from the tier and touches the loaded ones.
     A medium that fails mid-batch is reported to ``tier.health``; the blocks
-    before it count. With ``layerwise``, raw payloads an in-process medium
-    holds unchecked land layer by layer, in flight while the forward pass
-    starts (:func:`fill_layerwise`); ``Installed.filled`` says so.
+    before it count.
     """
     stored = batch.stored
     assert stored is not None
-    if layerwise and not isinstance(stored, DeferredRead):
-        done = fill_layerwise(storage, tier, batch, stored)
-        if done is not None:
-            return done
     in_host = storage.device.type == "cpu"
     if isinstance(stored, DeferredRead):
         if in_host:
@@ -247,34 +239,26 @@ def _install_inline(
     return Installed(len(keys))
 
 
-def fill_layerwise(
-    storage: KVBlockStorage, tier: Tier, batch: LoadBatch, stored: list[Stored | None]
-) -> Installed | None:
-    """:func:`install` of raw payloads an in-process medium stored unchecked, as a fill that
-    lands layer by layer (:meth:`KVBlockStorage.begin_fill`), or ``None`` when the batch or
-    the storage is not of that kind (the usual install takes it).
+@dataclass
+class Unchecked:
+    """A batch's leading raw payloads an in-process medium stored unchecked, their headers
+    checked (:func:`leading_unchecked`), and what ended them."""
 
-    Every header is checked before any copy starts (nothing else about an
-    unchecked payload can be checked), so the loaded count is known at once;
-    the copies of the leading good payloads, one per layer per run of blocks
-    back to back on both sides, are then in flight.
-    """
-    fmt = tier.fmt
-    assert fmt is not None
-    size = fmt.payload_size
-    if (
-        not tier.medium.caps.in_process
-        or not storage.fillable
-        or fmt.codec.codec_id != RawCodec.codec_id
-        or size != storage.bytes_per_block
-    ):
-        return None
-    keys, blocks = batch.keys, batch.blocks
-    srcs: list[torch.Tensor] = []
+    payloads: list[torch.Tensor]
+    #: The missing or damaged item that ended them, as :func:`install` reports it (``None``:
+    #: the batch's end, or an item checked or encoded).
     stop: Installed | None = None
-    for key, item in zip(keys, stored, strict=True):
+    #: Whether an item with a checksum or another codec ended them.
+    other: bool = False
+
+
+def leading_unchecked(keys: list[int], source: list[Stored | None], fmt: ItemFormat) -> Unchecked:
+    """The leading items of ``source`` that are raw payloads stored unchecked (see
+    :class:`Unchecked`): nothing but their headers can be checked, so all are checked first."""
+    out = Unchecked([])
+    for key, item in zip(keys, source, strict=True):
         if item is None:
-            stop = Installed(len(srcs), key)
+            out.stop = Installed(len(out.payloads), key)
             break
         header, payload = item
         try:
@@ -282,48 +266,21 @@ def fill_layerwise(
                 header, key, fmt.shape, fmt.dtype, int(payload.numel()), in_process=True
             )
         except CorruptBlockError as exc:
-            stop = Installed(len(srcs), key, exc)
+            out.stop = Installed(len(out.payloads), key, exc)
             break
         if checksum is not None or codec.codec_id != RawCodec.codec_id:
-            return None  # a checked or encoded item: not this path's
-        srcs.append(payload)
-    c = tier.counters
-    if srcs:
-        layers = storage.layout.num_layers
-        width = size // layers  # a block holds each layer's K and V in turn
-        target = storage.fill_target()
-        copies: list[list[Copy]] = [[] for _ in range(layers)]
-        where = [place(p) for p in srcs]
-        start = 0
-        # One copy per layer per run of payloads back to back in the medium: into a run
-        # of consecutive device blocks as it is, into scattered ones row by row.
-        for i in range(1, len(srcs) + 1):
-            if i < len(srcs) and follows(where[i - 1], where[i]):
-                continue
-            n = i - start
-            src = span(srcs, start, n).view(n, size)
-            run = blocks[start:i]
-            rows: torch.Tensor | None = None
-            if run == list(range(run[0], run[0] + n)):
-                dst = target[run[0] : run[0] + n]
-            else:
-                dst = target
-                rows = torch.tensor(run, dtype=torch.int64).to(storage.device)
-            for layer in range(layers):
-                cut = slice(layer * width, (layer + 1) * width)
-                copies[layer].append((dst[:, cut], src[:, cut], rows))
-            start = i
-        storage.begin_fill(copies)
-        c.loaded_blocks += len(srcs)
-        c.loaded_bytes += len(srcs) * size
-    if stop is not None:
-        if stop.error is None:
-            c.vanished_blocks += 1
-        else:
-            c.corrupt_blocks += 1
-        stop.filled = bool(srcs)
-        return stop
-    return Installed(len(srcs), filled=bool(srcs))
+            out.other = True
+            break
+        out.payloads.append(payload)
+    return out
+
+
+def count_stop(c: TierCounters, stop: Installed) -> None:
+    """Count the item that stopped a batch: vanished (no error) or corrupt."""
+    if stop.error is None:
+        c.vanished_blocks += 1
+    else:
+        c.corrupt_blocks += 1
 
 
 def _copy_unchecked(
@@ -340,20 +297,7 @@ def _copy_unchecked(
     size = fmt.payload_size
     if not direct.is_contiguous() or direct[0].numel() * direct.element_size() != size:
         return 0
-    srcs: list[torch.Tensor] = []
-    for key, item in zip(keys, source, strict=True):
-        if item is None:
-            break
-        header, payload = item
-        try:
-            codec, checksum = check_header(
-                header, key, fmt.shape, fmt.dtype, int(payload.numel()), in_process=True
-            )
-        except CorruptBlockError:
-            break
-        if checksum is not None or codec.codec_id != RawCodec.codec_id:
-            break
-        srcs.append(payload)
+    srcs = leading_unchecked(keys, source, fmt).payloads
     memory = direct.view(-1).view(torch.uint8)
     where = [place(p) for p in srcs]
     start = 0
@@ -555,10 +499,7 @@ def _install_batched(
     finally:
         writer.wait()
     if stop is not None:
-        if stop.error is None:
-            c.vanished_blocks += 1
-        else:
-            c.corrupt_blocks += 1
+        count_stop(c, stop)
         return Installed(len(payloads), stop.bad_key, stop.error)
     return Installed(len(payloads))
 

@@ -55,8 +55,6 @@ class LayerFill:
         self.copies = [list(c) for c in copies]
         self.device = device
         self.num_layers = len(self.copies)
-        #: Bytes the fill moves.
-        self.nbytes = sum(src.numel() for c in self.copies for _, src, _ in c)
         #: Reads that found their layer not yet in place and waited (host memory only;
         #: a CUDA read never blocks the host).
         self.blocked_reads = 0
@@ -69,7 +67,6 @@ class LayerFill:
         self._landed = [threading.Event() for _ in range(self.num_layers)]
         self._thread: threading.Thread | None = None
         self._events: list[torch.cuda.Event] = []
-        self._stream: torch.cuda.Stream | None = None
         #: How the CUDA copies went: one contiguous copy, one 2-D copy, or staged.
         self.copies_by_kind: dict[str, int] = {}
         # Device buffers the stream's copies still use, kept until the fill settles.
@@ -107,7 +104,6 @@ class LayerFill:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
                 self._events.append(event)
-        self._stream = stream
 
     def _run(self) -> None:
         layer = 0
