@@ -29,7 +29,8 @@ configs with the geometry of Llama-3.1-8B and Qwen3-30B-A3B (layers,
 heads, head size, experts; nothing downloaded), in bfloat16 by default.
 ``--layers N`` keeps only the first N layers (to try the script on a CPU:
 the per-layer cost is the real one, the total is not), and the ``tiny-*``
-geometries are for checking the script itself.
+geometries are for checking the script itself: on a CPU they and prefixes
+of 256 and 1024 tokens are the defaults.
 
     python bench/gpu_ttft.py --device cuda --prefixes 2048 8192 32768
     python bench/gpu_ttft.py --device cpu --geometries tiny-llama --prefixes 64 128 --dtype float32
@@ -124,6 +125,22 @@ GEOMETRIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 CASES = ("recompute", "device", "host", "host-layers", "disk")
+
+#: Geometries and prefix lengths when none are given: the real sizes on a GPU; on a CPU,
+#: where an 8B model's 32k-token prefill takes hours, the tiny ones that check the script.
+GPU_DEFAULTS: tuple[tuple[str, ...], tuple[int, ...]] = (
+    ("llama-3.1-8b", "qwen3-30b-a3b"),
+    (2048, 8192, 32768),
+)
+CPU_DEFAULTS: tuple[tuple[str, ...], tuple[int, ...]] = (("tiny-llama", "tiny-moe"), (256, 1024))
+
+
+def _words(items: Sequence[object]) -> str:
+    return " ".join(map(str, items))
+
+
+def defaults_for(device: torch.device) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    return GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
 
 
 def say(text: str = "") -> None:
@@ -237,8 +254,10 @@ def run_case(
         tier_layer_loads=case == "host-layers",
     )
     try:
-        warm = a[: min(len(a), 2 * block_size)]
-        first_token_s(engine, [t + 1 for t in warm])  # kernels and allocator warmed up
+        # A prompt that shares no block with ``a`` or ``b`` warms kernels and allocator.
+        vocab = int(model.config.vocab_size)
+        warm = [(t + 1) % vocab for t in a[: min(len(a), 2 * block_size)]]
+        first_token_s(engine, warm)
         if case != "recompute":
             first_token_s(engine, a)
         if tiers:
@@ -281,8 +300,8 @@ def run_case(
 def ttft(
     device: torch.device,
     *,
-    geometries: Sequence[str] = ("llama-3.1-8b", "qwen3-30b-a3b"),
-    prefixes: Sequence[int] = (2048, 8192, 32768),
+    geometries: Sequence[str] = GPU_DEFAULTS[0],
+    prefixes: Sequence[int] = GPU_DEFAULTS[1],
     dtype: torch.dtype = torch.bfloat16,
     layers: int | None = None,
     block_size: int = 16,
@@ -397,16 +416,18 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(
         f"--{prefix}geometries",
         nargs="+",
-        default=["llama-3.1-8b", "qwen3-30b-a3b"],
+        default=None,
         choices=sorted(GEOMETRIES),
-        help="model geometries (default: llama-3.1-8b qwen3-30b-a3b)",
+        help=f"model geometries (default: {_words(GPU_DEFAULTS[0])} on a GPU, "
+        f"{_words(CPU_DEFAULTS[0])} on a CPU)",
     )
     p.add_argument(
         f"--{prefix}prefixes",
         nargs="+",
         type=int,
-        default=[2048, 8192, 32768],
-        help="cached prefix lengths in tokens (default: 2048 8192 32768)",
+        default=None,
+        help=f"cached prefix lengths in tokens (default: {_words(GPU_DEFAULTS[1])} on a GPU, "
+        f"{_words(CPU_DEFAULTS[1])} on a CPU)",
     )
     p.add_argument(
         f"--{prefix}dtype",
@@ -429,10 +450,11 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 def ttft_from_args(device: torch.device, args: argparse.Namespace, prefix: str = "") -> Any:
     p = prefix.replace("-", "_")
+    geometries, prefixes = defaults_for(device)
     return ttft(
         device,
-        geometries=getattr(args, f"{p}geometries"),
-        prefixes=getattr(args, f"{p}prefixes"),
+        geometries=getattr(args, f"{p}geometries") or geometries,
+        prefixes=getattr(args, f"{p}prefixes") or prefixes,
         dtype=parse_dtype(getattr(args, f"{p}dtype")),
         layers=getattr(args, f"{p}layers"),
         batch_tokens=getattr(args, f"{p}batch_tokens"),
@@ -453,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU")
-    if any(n < 1 for n in args.prefixes):
+    if args.prefixes is not None and any(n < 1 for n in args.prefixes):
         raise SystemExit("--prefixes must be positive token counts")
     result = ttft_from_args(device, args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,3 +72,32 @@ def test_layers_keeps_the_first_n() -> None:
     model = gt.build_model("tiny-moe", torch.device("cpu"), torch.float32, layers=1)
     assert model.config.num_hidden_layers == 1
     assert len(model.model.layers) == 1
+
+
+def test_a_prompt_holding_the_vocabularys_last_token_is_served(tmp_path: Path) -> None:
+    # The warm-up prompt is derived from the first one; it must stay inside the vocabulary.
+    model = gt.build_model("tiny-llama", torch.device("cpu"), torch.float32, layers=1)
+    from tiny_model import tiny_tokenizer
+
+    last = int(model.config.vocab_size) - 1
+    shared = [last] * 40
+    prompts = (shared + [7] * gt.SUFFIX, shared + [9] * gt.SUFFIX)
+    got = gt.run_case(
+        "host", model, tiny_tokenizer(), prompts, block_size=16, batch_tokens=256, tmp=tmp_path
+    )
+    assert got["as_planned"] and got["loaded_tokens"] >= 32
+
+
+def test_a_cpu_run_defaults_to_the_tiny_geometries_and_a_gpu_run_to_the_real_ones() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    gt.add_arguments(p)
+    args = p.parse_args([])
+    assert args.geometries is None and args.prefixes is None
+    cpu_geometries, cpu_prefixes = gt.defaults_for(torch.device("cpu"))
+    assert all(name.startswith("tiny-") for name in cpu_geometries)
+    assert max(cpu_prefixes) <= 1024
+    gpu_geometries, gpu_prefixes = gt.defaults_for(torch.device("cuda"))
+    assert set(gpu_geometries) == {"llama-3.1-8b", "qwen3-30b-a3b"}
+    assert gpu_prefixes == (2048, 8192, 32768)
