@@ -14,6 +14,8 @@ from kvtier.offload.codec import (
     Fp8Codec,
     Int8Codec,
     RawCodec,
+    check_header,
+    header_for,
     make_codec,
     make_header,
     verify,
@@ -116,3 +118,71 @@ def test_wrong_key_shape_or_dtype_is_detected() -> None:
 def test_unknown_codec_name() -> None:
     with pytest.raises(ConfigError, match="unknown codec"):
         make_codec("zstd")
+
+
+def fieldwise(
+    header: bytes, key: int, shape: tuple[int, ...], dtype: torch.dtype, n: int
+) -> object:
+    """What an in-process reader must conclude, from the header's fields one by one."""
+    try:
+        h = BlockHeader.unpack(header)
+    except CorruptBlockError:
+        return "corrupt"
+    codec = {0: RawCodec, Int8Codec.codec_id: Int8Codec, Fp8Codec.codec_id: Fp8Codec}.get(
+        h.codec_id
+    )
+    if (
+        h.key != key
+        or h.dtype != dtype
+        or h.shape != shape
+        or codec is None
+        or n != h.payload_len
+        or n != codec().payload_size(h.shape, dtype)
+    ):
+        return "corrupt"
+    return (h.codec_id, None if h.unchecked else h.checksum)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    codec_name=st.sampled_from(["raw", "int8", "fp8"]),
+    key=st.integers(0, 2**128 - 1),
+    other_key=st.none() | st.integers(0, 2**129),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    stored_dtype=st.none() | st.sampled_from([torch.float32, torch.float16]),
+    length_off=st.sampled_from([0, 0, 0, -1, 1]),
+    written_off=st.sampled_from([0, 0, 1]),
+    flip=st.none() | st.integers(0, 8 * HEADER_SIZE - 1),
+    unchecked=st.booleans(),
+)
+def test_an_in_process_header_check_concludes_what_the_fields_say(
+    codec_name: str,
+    key: int,
+    other_key: int | None,
+    dtype: torch.dtype,
+    stored_dtype: torch.dtype | None,
+    length_off: int,
+    written_off: int,
+    flip: int | None,
+    unchecked: bool,
+) -> None:
+    # The reader's fast comparison with the header it would write must agree with
+    # reading every field, for headers of this key or another, damaged or not.
+    codec = make_codec(codec_name)
+    written_as = stored_dtype or dtype
+    n = codec.payload_size(SHAPE, written_as) + written_off
+    raw = bytearray(header_for(codec, key, SHAPE, written_as, n, 0xABC, unchecked=unchecked))
+    if flip is not None:
+        raw[flip // 8] ^= 1 << (flip % 8)
+    header = bytes(raw)
+    want_key = key if other_key is None else other_key
+    length = codec.payload_size(SHAPE, dtype) + length_off
+    expected = fieldwise(header, want_key, SHAPE, dtype, length)
+    try:
+        got_codec, checksum = check_header(header, want_key, SHAPE, dtype, length, in_process=True)
+        got: object = (got_codec.codec_id, checksum)
+    except CorruptBlockError:
+        got = "corrupt"
+    assert got == expected
+    if (flip, other_key, stored_dtype, length_off, written_off) == (None, None, None, 0, 0):
+        assert got == (codec.codec_id, None if unchecked else 0xABC)

@@ -82,6 +82,10 @@ class Demoter:
         elif storage.layout_kind == "block":
             # Views of the device blocks: the host tier copies straight from them.
             data = storage.tensor
+            if codec.codec_id == RawCodec.codec_id and data.is_contiguous():
+                # A raw payload is the block's bytes: one view each, not three.
+                rows = data.view(data.shape[0], -1).view(torch.uint8)
+                return [rows[b] for b in blocks]
             out = [codec.encode(data[b]) for b in blocks]
         else:
             exported = storage.export_blocks(blocks)

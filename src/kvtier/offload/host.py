@@ -36,9 +36,24 @@ import torch
 
 from kvtier.errors import ConfigError, InternalInvariantError
 from kvtier.offload.codec import PAYLOAD_LENGTH_OFFSET as _LENGTH_AT
-from kvtier.offload.codec import as_buffer, copy_checksum, header_for, pack_header
+from kvtier.offload.codec import (
+    as_buffer,
+    copy_checksum,
+    header_for,
+    pack_header,
+    unchecked_header,
+)
 from kvtier.offload.media import MediumCaps, PutItem, Stored
-from kvtier.offload.transfer import Part, checksums, chunks, parallel_worth, runs, span
+from kvtier.offload.transfer import (
+    Part,
+    checksums,
+    chunks,
+    follows,
+    parallel_worth,
+    place,
+    runs,
+    span,
+)
 
 
 class HostStore:
@@ -104,20 +119,22 @@ class HostStore:
         width = rows.shape[1]
         headers = self._headers
         srcs: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
         for _key, slot, payload, _fmt in items:
-            flat = payload.view(-1)
-            if flat.numel() > width:
+            flat = payload if payload.dim() == 1 else payload.view(-1)
+            n = flat.numel()
+            if n > width:
                 raise ConfigError(
-                    f"an item of {flat.numel():,} bytes does not fit this host tier's "
-                    f"{width:,}-byte slots"
+                    f"an item of {n:,} bytes does not fit this host tier's {width:,}-byte slots"
                 )
             # A slot being rewritten holds nothing until its new header is in.
             headers[slot] = None
             srcs.append(flat)
-            dsts.append(rows[slot, : flat.numel()])
-        keys = [k for k, _, _, _ in items]
         lengths = [int(t.numel()) for t in srcs]
+        if not self.checksums and all(n == width for n in lengths):
+            self._copy_whole_rows(items, srcs, width)
+            return
+        dsts = [rows[slot, :n] for (_, slot, _, _), n in zip(items, lengths, strict=True)]
+        keys = [k for k, _, _, _ in items]
         if not self.checksums:
             self._copy_rows(items, srcs, dsts, lengths)
             return
@@ -182,6 +199,33 @@ class HostStore:
         for (key, slot, _, fmt), n in zip(items, lengths, strict=True):
             headers[slot] = header_for(fmt.codec, key, fmt.shape, fmt.dtype, n, 0, unchecked=True)
 
+    def _copy_whole_rows(
+        self, items: Sequence[PutItem], srcs: list[torch.Tensor], width: int
+    ) -> None:
+        """:meth:`_copy_rows` for payloads that each fill a slot: runs found from the slot
+        numbers (no view of a slot is made), one copy per run."""
+        rows = self._rows
+        where = [place(t) for t in srcs]
+        slots = [slot for _, slot, _, _ in items]
+        devices: set[torch.device] = set()
+        start = 0
+        for i in range(1, len(srcs) + 1):
+            if i < len(srcs) and slots[i] == slots[i - 1] + 1 and follows(where[i - 1], where[i]):
+                continue
+            src = span(srcs, start, i - start)
+            on_device = src.device.type != "cpu"
+            rows[slots[start] : slots[start] + i - start].view(-1).copy_(
+                src, non_blocking=on_device
+            )
+            if on_device:
+                devices.add(src.device)
+            start = i
+        for device in devices:  # the slots are readable once the header says so
+            torch.cuda.current_stream(device).synchronize()
+        headers = self._headers
+        for key, slot, _, fmt in items:
+            headers[slot] = unchecked_header(fmt.codec, key, fmt.shape, fmt.dtype, width)
+
     def _put_items(self, items: Sequence[PutItem]) -> None:
         store = self._items
         assert store is not None
@@ -206,6 +250,7 @@ class HostStore:
         if store is not None:
             return [store.get(key) for key, _ in items]
         rows = self._rows
+        width = rows.shape[1]
         headers = self._headers
         out: list[Stored | None] = []
         for _key, slot in items:
@@ -214,8 +259,10 @@ class HostStore:
                 out.append(None)
                 continue
             # The header says how long the payload is; a stale length fails its checksum.
-            length = int.from_bytes(bytes(header[_LENGTH_AT : _LENGTH_AT + 8]), "little")
-            out.append((header, rows[slot, : min(length, rows.shape[1])]))
+            length = int.from_bytes(header[_LENGTH_AT : _LENGTH_AT + 8], "little")
+            out.append(
+                (header, rows[slot] if length == width else rows[slot, : min(length, width)])
+            )
         return out
 
     def delete(self, items: Sequence[tuple[int, int]]) -> None:
