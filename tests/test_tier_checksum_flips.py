@@ -44,6 +44,7 @@ from kvtier.offload.chain import TierChain
 from kvtier.offload.codec import HEADER_SIZE
 from kvtier.offload.disk import DiskStore
 from kvtier.offload.host import HostStore
+from kvtier.offload.media import ItemFormat
 from kvtier.offload.tier import Tier
 from kvtier.storage import KVBlockStorage
 
@@ -201,6 +202,35 @@ def test_an_unchecked_header_is_refused_from_a_disk_file(tmp_path: Path) -> None
     path.write_bytes(header + raw[HEADER_SIZE:])
     check_load(storage, chain, tier, keys, 2)
     chain.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.sampled_from([8, 16, 16]), min_size=1, max_size=6),
+    slots=st.permutations(range(6)),
+    ascending=st.booleans(),
+)
+def test_unchecked_items_shorter_than_their_slot_come_back_as_stored(
+    lengths: list[int], slots: list[int], ascending: bool
+) -> None:
+    # Runs of one copy may join whole slots only: an item shorter than its slot ends one.
+    host = HostStore(checksums=False)
+    host.bind("short", 6, 16)
+    source = torch.arange(16 * len(lengths), dtype=torch.uint8)
+    chosen = sorted(slots[: len(lengths)]) if ascending else slots[: len(lengths)]
+    items = []
+    at = 0
+    for i, (n, slot) in enumerate(zip(lengths, chosen, strict=False)):
+        fmt = ItemFormat(codec.RawCodec(), (n,), torch.uint8)
+        items.append((1000 + i, slot, source[at : at + n], fmt))
+        at += n
+    host.put(items)
+    got = host.get([(k, s) for k, s, _, _ in items])
+    for (key, _, payload, fmt), stored in zip(items, got, strict=True):
+        assert stored is not None
+        header, data = stored
+        assert torch.equal(data, payload)
+        codec.check_header(header, key, fmt.shape, fmt.dtype, int(data.numel()), in_process=True)
 
 
 def test_only_an_in_process_medium_stores_unchecked(tmp_path: Path) -> None:

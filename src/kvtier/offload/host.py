@@ -130,14 +130,11 @@ class HostStore:
             headers[slot] = None
             srcs.append(flat)
         lengths = [int(t.numel()) for t in srcs]
-        if not self.checksums and all(n == width for n in lengths):
-            self._copy_whole_rows(items, srcs, width)
+        if not self.checksums:
+            self._copy_rows(items, srcs, lengths)
             return
         dsts = [rows[slot, :n] for (_, slot, _, _), n in zip(items, lengths, strict=True)]
         keys = [k for k, _, _, _ in items]
-        if not self.checksums:
-            self._copy_rows(items, srcs, dsts, lengths)
-            return
         if all(t.device.type == "cpu" for t in srcs):
             # From host memory the copies are synchronous and nothing overlaps them:
             # each item is copied and hashed in one pass, a cache-sized chunk at a
@@ -179,52 +176,39 @@ class HostStore:
                 )
 
     def _copy_rows(
-        self,
-        items: Sequence[PutItem],
-        srcs: list[torch.Tensor],
-        dsts: list[torch.Tensor],
-        lengths: list[int],
+        self, items: Sequence[PutItem], srcs: list[torch.Tensor], lengths: list[int]
     ) -> None:
-        """Store unchecked: one copy per run of blocks (back to back on both sides)."""
-        devices: set[torch.device] = set()
-        for start, n in runs(srcs, dsts):
-            src = span(srcs, start, n)
-            on_device = src.device.type != "cpu"
-            span(dsts, start, n).copy_(src, non_blocking=on_device)
-            if on_device:
-                devices.add(src.device)
-        for device in devices:  # the slots are readable once the header says so
-            torch.cuda.current_stream(device).synchronize()
-        headers = self._headers
-        for (key, slot, _, fmt), n in zip(items, lengths, strict=True):
-            headers[slot] = header_for(fmt.codec, key, fmt.shape, fmt.dtype, n, 0, unchecked=True)
-
-    def _copy_whole_rows(
-        self, items: Sequence[PutItem], srcs: list[torch.Tensor], width: int
-    ) -> None:
-        """:meth:`_copy_rows` for payloads that each fill a slot: runs found from the slot
-        numbers (no view of a slot is made), one copy per run."""
+        """Store unchecked: one copy per run of blocks (back to back on both sides). The
+        slots' side of a run comes from the slot numbers (no view of a slot is made): the
+        next slot continues it when this item fills its own."""
         rows = self._rows
+        width = rows.shape[1]
         where = [place(t) for t in srcs]
         slots = [slot for _, slot, _, _ in items]
         devices: set[torch.device] = set()
         start = 0
         for i in range(1, len(srcs) + 1):
-            if i < len(srcs) and slots[i] == slots[i - 1] + 1 and follows(where[i - 1], where[i]):
+            if (
+                i < len(srcs)
+                and lengths[i - 1] == width
+                and slots[i] == slots[i - 1] + 1
+                and follows(where[i - 1], where[i])
+            ):
                 continue
             src = span(srcs, start, i - start)
             on_device = src.device.type != "cpu"
-            rows[slots[start] : slots[start] + i - start].view(-1).copy_(
-                src, non_blocking=on_device
-            )
+            dst = rows[slots[start] : slots[start] + i - start].view(-1)
+            if lengths[i - 1] != width:  # only a run's last item may stop short of its slot
+                dst = dst[: src.numel()]
+            dst.copy_(src, non_blocking=on_device)
             if on_device:
                 devices.add(src.device)
             start = i
         for device in devices:  # the slots are readable once the header says so
             torch.cuda.current_stream(device).synchronize()
         headers = self._headers
-        for key, slot, _, fmt in items:
-            headers[slot] = unchecked_header(fmt.codec, key, fmt.shape, fmt.dtype, width)
+        for (key, slot, _, fmt), n in zip(items, lengths, strict=True):
+            headers[slot] = unchecked_header(fmt.codec, key, fmt.shape, fmt.dtype, n)
 
     def _put_items(self, items: Sequence[PutItem]) -> None:
         store = self._items
